@@ -1,0 +1,179 @@
+"""`mfsdp-train`: compose once, validate, freeze the config into run.dir, then hand off to torchrun.
+
+Under an existing torchrun/SLURM job the same command acts as a worker instead. Nothing here
+imports torch, so `--help`, bad input and dry runs answer fast.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .errors import ConfigError
+
+STOP_FILE = "STOP"  # touched in run.dir to ask the workers to checkpoint and exit
+
+HELP = """\
+usage: mfsdp-train [+recipe=NAME] [key=value ...] [-m key=a,b ...]
+
+Compose a training config (Hydra groups + recipes + overrides), validate it, and launch it
+with torchrun. Examples:
+  mfsdp-train +recipe=cpu_smoke                          tiny GPT on CPU, 2 processes
+  mfsdp-train +recipe=hfsdp_fp8 mesh.dp_shard=8 train.steps=2000
+  mfsdp-train +recipe=cpu_smoke launcher.dry_run=true    print mesh, ranks, memory; run nothing
+  mfsdp-train -m +recipe=cpu_smoke optim.lr=1e-3,3e-3    a sweep: one torchrun job per point
+
+config groups: engine=fsdp2|megatron_fsdp  model=gpt|te_gpt|toy_cnn|toy_transformer|
+  te_toy_transformer  data=synthetic|text  launcher=torchrun|slurm  +recipe=<name>
+main keys: mesh.{dp_outer,dp_shard,cp,tp}  sharding.{zero_dp_strategy,outer_dp_sharding_strategy}
+  precision.{compute_dtype,main_params_dtype,main_grads_dtype,grad_comm_dtype}  fp8.recipe
+  train.{steps,micro_batch_size,grad_accum_steps,seq_len,compile,...}  optim.*  checkpoint.*
+  run.{name,dir}  launcher.{nproc_per_node,nnodes,node_rank,rdzv_endpoint,dry_run}
+Show every key and its value: mfsdp-train <overrides> launcher.dry_run=true --cfg
+Exit codes: 0 done, 2 bad config (one line naming the key), other: the training job failed.
+"""
+
+
+def _eprint(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def in_worker_env() -> bool:
+    """True under torchrun (or srun) started by someone else: then we are a rank, not a launcher."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ and \
+        os.environ.get("MFSDP_LAUNCHER") is None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(HELP, end="")
+        return 0
+    if any(a in ("-m", "--multirun") for a in argv):
+        from .sweep import run_sweep
+
+        return run_sweep(argv)
+    show_cfg = "--cfg" in argv
+    overrides = [a for a in argv if a != "--cfg"]
+    try:
+        from .compose import compose
+        from .validate import validate
+
+        cfg = compose(overrides)
+        if in_worker_env():
+            from .worker import run_as_external_worker
+
+            return run_as_external_worker(cfg, overrides)
+        warnings = validate(cfg, check_hardware=not cfg.launcher.dry_run)
+        if not cfg.launcher.dry_run:
+            _preflight(cfg)
+    except ConfigError as exc:
+        _eprint(f"mfsdp-train: error: {exc}")
+        return 2
+    if show_cfg:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg), end="")
+    if cfg.launcher.dry_run:
+        from .dryrun import render
+
+        render(cfg, warnings)
+        return 0
+    for w in warnings:
+        _eprint(f"mfsdp-train: warning: {w}")
+    return launch(cfg, overrides)
+
+
+def _preflight(cfg) -> None:
+    """Checks that need the run directory (resume compatibility), still before spawning."""
+    from .checkpoint import preflight
+
+    preflight(cfg)
+
+
+def prepare_run_dir(cfg, overrides: List[str]) -> Path:
+    from .compose import save_frozen
+
+    run_dir = Path(cfg.run.dir).expanduser().resolve()
+    cfg.run.dir = str(run_dir)
+    path = save_frozen(cfg, run_dir, overrides)
+    stop = run_dir / STOP_FILE
+    if stop.exists():
+        stop.unlink()
+    return path
+
+
+def torchrun_command(launcher_cfg, config_path: Path) -> List[str]:
+    lc = launcher_cfg
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={lc.nproc_per_node}"]
+    if lc.nnodes == 1 and not lc.rdzv_endpoint:
+        cmd.append("--standalone")  # c10d on a free port: nothing fixed, nothing to collide
+    else:
+        rdzv_id = lc.rdzv_id or Path(config_path).parent.name
+        cmd += [f"--nnodes={lc.nnodes}", f"--node-rank={lc.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={lc.rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+    cmd += [f"--max-restarts={lc.max_restarts}", "-m", "mfsdp_launch.worker", "--config", str(config_path)]
+    return cmd
+
+
+def worker_env(launcher_cfg) -> dict:
+    env = dict(os.environ)
+    from .hardware import cpu_count
+
+    # torchrun would pin 1 thread per rank with a warning; share the cores out instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // launcher_cfg.nproc_per_node)))
+    env["MFSDP_LAUNCHER"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # The workers import this package the way the launcher did (source checkout or wheel).
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def launch(cfg, overrides: List[str]) -> int:
+    config_path = prepare_run_dir(cfg, overrides)
+    run_dir = config_path.parent
+    if cfg.launcher.kind == "slurm":
+        from .slurm import write_and_maybe_submit
+
+        return write_and_maybe_submit(cfg, config_path)
+    cmd = torchrun_command(cfg.launcher, config_path)
+    print(f"mfsdp-train: {cfg.launcher.nnodes}x{cfg.launcher.nproc_per_node} ranks, run.dir={run_dir}",
+          flush=True)
+    with open(run_dir / "launch_cmd.txt", "w") as f:
+        f.write(shlex.join(cmd) + "\n")
+    # Its own session: a Ctrl-C reaches only us; we turn it into a graceful stop request.
+    proc = subprocess.Popen(cmd, env=worker_env(cfg.launcher), start_new_session=True)
+    requests = {"n": 0}
+
+    def on_signal(signum, _frame):
+        requests["n"] += 1
+        if requests["n"] == 1:
+            (run_dir / STOP_FILE).touch()
+            _eprint(f"mfsdp-train: {signal.Signals(signum).name}: finishing the step, saving a "
+                    "checkpoint and stopping (signal again to abort)")
+        else:
+            _eprint("mfsdp-train: aborting")
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:  # pragma: no cover - handler above normally runs
+                continue
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if rc != 0:
+        _eprint(f"mfsdp-train: training failed (torchrun exit code {rc}); logs above, run.dir={run_dir}")
+    return rc

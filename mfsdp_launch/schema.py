@@ -1,0 +1,198 @@
+"""Typed config schema. Hydra merges YAML onto these dataclasses, so an unknown key or a
+wrongly typed value is an error at composition time.
+
+This module must stay importable without torch: the launcher and the dry run use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+ZERO_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OUTER_STRATEGIES = ("no_shard", "optim")
+DTYPES = ("fp32", "bf16", "fp16", "fp64")
+FP8_RECIPES = ("none", "delayed", "current", "blockwise", "mxfp8")
+FP8_FORMATS = ("HYBRID", "E4M3")
+ENGINES = ("megatron_fsdp", "fsdp2")
+MODELS = ("gpt", "toy_cnn", "toy_transformer", "te_toy_transformer", "te_gpt")
+DATASETS = ("synthetic", "text")
+RESUME_MODES = ("auto", "must", "never")
+CUDA_GRAPH_MODES = ("none", "full_iteration")
+OPTIM_IMPLS = ("torch", "te_fused")
+LAUNCHER_KINDS = ("torchrun", "slurm")
+
+
+@dataclass
+class MeshConfig:
+    dp_outer: int = 1
+    dp_shard: int = -1  # -1: infer from the world size
+    cp: int = 1
+    tp: int = 1
+    # false: let Megatron-FSDP build its own default mesh (the seed's "ez" path).
+    enabled: bool = True
+
+
+@dataclass
+class EngineConfig:
+    name: str = "fsdp2"
+    # Distributed backend; null picks nccl when CUDA is present, else gloo.
+    backend: Optional[str] = None
+    report_nan_in_param_grad: bool = False
+    # Megatron-FSDP only: overlap/communication knobs passed through to fully_shard_model.
+    keep_fp8_transpose_cache: bool = False
+    use_decoupled_grad: bool = False
+    # Every microbatch all-reduces/reduce-scatters when true; else only the last one does.
+    sync_every_microbatch: bool = False
+
+
+@dataclass
+class ShardingConfig:
+    # Names or 0-3; both are accepted and normalized by validation.
+    zero_dp_strategy: Any = 3
+    outer_dp_sharding_strategy: Any = "no_shard"
+
+
+@dataclass
+class PrecisionConfig:
+    compute_dtype: Optional[str] = "fp32"
+    main_params_dtype: Optional[str] = "fp32"
+    main_grads_dtype: Optional[str] = None
+    grad_comm_dtype: Optional[str] = None
+
+
+@dataclass
+class FP8Config:
+    recipe: str = "none"
+    format: str = "HYBRID"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    # Quantized (FP8) parameters via TE quantized_model_init.
+    params: bool = False
+    # Module-name globs that stay in high precision (first/last layers, the head).
+    skip: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"
+    # gpt/te_gpt size preset; dims below override it when set.
+    preset: str = "tiny"
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    vocab_size: Optional[int] = None
+    tie_embeddings: Optional[bool] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Toy models: output dim and TE options, as in the seed.
+    output_dim: Optional[int] = None
+    fuse_qkv: bool = False
+    params_dtype: Optional[str] = None
+    init_on_meta: bool = False
+    # Globs over parameter names; matches get requires_grad=False and no optimizer state.
+    freeze: List[str] = field(default_factory=list)
+    # Dotted class names overriding the factory's FSDP unit modules.
+    fsdp_unit_modules: List[str] = field(default_factory=list)
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class OptimConfig:
+    impl: str = "torch"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    # Cosine decay length; null: train.steps.
+    decay_steps: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    seq_len: int = 256
+    log_interval: int = 10
+    compile: bool = False
+    seed: int = 1234
+    grad_clip: Optional[float] = 1.0
+    cuda_graph: str = "none"
+    progress: bool = True
+    # Device peak in TFLOP/s for MFU; null looks the device up, and MFU is null if unknown.
+    peak_tflops: Optional[float] = None
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    # text: a file, directory or glob; null uses the Python standard library's sources.
+    path: Optional[str] = None
+    tokenizer: Optional[str] = None  # path to a local tokenizer.json; null: bytes
+    cache_dir: Optional[str] = None
+    max_bytes: int = 64_000_000
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # 0: only the final save
+    keep_last: int = 3
+    async_save: bool = False
+    resume: str = "auto"
+    load_step: Optional[int] = None
+    load_path: Optional[str] = None
+    load_weights_only: bool = False
+    save_final: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    dir: str = "runs/${run.name}"
+
+
+@dataclass
+class LauncherConfig:
+    kind: str = "torchrun"
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: Optional[str] = None
+    max_restarts: int = 0
+    dry_run: bool = False
+    # slurm: write (and with submit=true, submit) an sbatch script.
+    submit: bool = False
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time_limit: str = "04:00:00"
+    gpus_per_node: Optional[int] = None
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+
+
+@dataclass
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,45 @@
+"""Shared test helpers: free ports, the CLI as a subprocess, and the GPU marker's skip."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, cwd=None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
+    """Run `python -m mfsdp_launch ARGS` the way a user would, capturing its output."""
+    full_env = dict(os.environ)
+    full_env.setdefault("MFSDP_CACHE_DIR", str(ROOT / ".pytest_cache" / "tokens"))
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    if env:
+        full_env.update(env)
+    return subprocess.run([sys.executable, "-m", "mfsdp_launch", *args], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        have_cuda = torch.cuda.is_available()
+    except Exception:  # a broken torch install still lets the CPU tests report
+        have_cuda = False
+    if have_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs (marker gpu); run `python3 -m pytest -m gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

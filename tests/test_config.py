@@ -1,0 +1,204 @@
+"""Schema, composition and every validation rule: each refusal names its key."""
+
+import pytest
+
+from mfsdp_launch.compose import compose, config_dir
+from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.validate import validate
+
+RECIPES = ["cpu_smoke", "fsdp_bf16", "hsdp_bf16", "hfsdp_bf16", "hfsdp_fp8"]
+
+
+def checked(*overrides, hardware=False):
+    cfg = compose(list(overrides))
+    warnings = validate(cfg, check_hardware=hardware)
+    return cfg, warnings
+
+
+def refused(*overrides, hardware=False) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        checked(*overrides, hardware=hardware)
+    return e.value
+
+
+def test_recipes_are_a_config_group():
+    assert sorted(p.stem for p in (config_dir() / "recipe").glob("*.yaml")) == sorted(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_validates_for_a_dry_run(recipe):
+    cfg, _ = checked(f"+recipe={recipe}", "launcher.nproc_per_node=8")
+    assert cfg.run.name == recipe
+    assert cfg.mesh.dp_shard > 0  # inferred and frozen
+
+
+def test_hfsdp_fp8_recipe_contents():
+    cfg, _ = checked("+recipe=hfsdp_fp8", "launcher.nproc_per_node=8")
+    assert (cfg.mesh.dp_outer, cfg.mesh.dp_shard) == (2, 4)
+    assert cfg.sharding.outer_dp_sharding_strategy == "optim"
+    assert cfg.sharding.zero_dp_strategy == "optim_grads_params"
+    assert cfg.fp8.recipe == "current" and cfg.model.name == "te_gpt"
+    assert cfg.engine.name == "megatron_fsdp"
+
+
+def test_cpu_smoke_is_fsdp2_on_two_processes():
+    cfg, _ = checked("+recipe=cpu_smoke")
+    assert cfg.engine.name == "fsdp2" and cfg.launcher.nproc_per_node == 2 and cfg.data.name == "text"
+
+
+def test_defaults():
+    cfg, _ = checked()
+    assert cfg.sharding.zero_dp_strategy == "optim_grads_params"  # default 3
+    assert cfg.sharding.outer_dp_sharding_strategy == "no_shard"
+    assert "${" not in cfg.run.dir and cfg.run.dir == "runs/run"
+
+
+def test_run_dir_is_deterministic():
+    a, _ = checked("+recipe=cpu_smoke")
+    b, _ = checked("+recipe=cpu_smoke")
+    assert a.run.dir == b.run.dir == "runs/cpu_smoke"
+
+
+@pytest.mark.parametrize("value,name", [(0, "no_shard"), (1, "optim"), (2, "optim_grads"), (3, "optim_grads_params"),
+                                        ("optim_grads", "optim_grads")])
+def test_zero_strategy_names_and_numbers(value, name):
+    cfg, _ = checked("engine=megatron_fsdp", f"sharding.zero_dp_strategy={value}")
+    assert cfg.sharding.zero_dp_strategy == name
+
+
+# (overrides, key the message must name)
+REFUSALS = [
+    (["train.no_such_key=1"], "train.no_such_key"),
+    (["no_such_group_key=1"], "no_such_group_key"),
+    (["train.steps=abc"], "train.steps"),
+    (["model=nope"], "model"),
+    (["+recipe=nope"], "+recipe"),
+    (["mesh.dp_shard=3", "launcher.nproc_per_node=4"], "mesh"),
+    (["mesh.dp_outer=3", "launcher.nproc_per_node=4"], "mesh.dp_shard"),
+    (["mesh.tp=0"], "mesh.tp"),
+    (["sharding.zero_dp_strategy=7"], "sharding.zero_dp_strategy"),
+    (["sharding.zero_dp_strategy=everything"], "sharding.zero_dp_strategy"),
+    (["sharding.outer_dp_sharding_strategy=2"], "sharding.outer_dp_sharding_strategy"),
+    # outer optim needs zero 3
+    (["engine=megatron_fsdp", "mesh.dp_outer=2", "launcher.nproc_per_node=4", "sharding.zero_dp_strategy=2",
+      "sharding.outer_dp_sharding_strategy=optim"], "sharding.outer_dp_sharding_strategy"),
+    # HFSDP needs dp_outer > 1
+    (["engine=megatron_fsdp", "sharding.outer_dp_sharding_strategy=optim"], "sharding.outer_dp_sharding_strategy"),
+    # meta init refused with no_shard on Megatron-FSDP
+    (["engine=megatron_fsdp", "sharding.zero_dp_strategy=no_shard", "model.init_on_meta=true"], "model.init_on_meta"),
+    # what FSDP2 cannot express
+    (["engine=fsdp2", "sharding.zero_dp_strategy=optim"], "sharding.zero_dp_strategy"),
+    (["engine=fsdp2", "mesh.dp_outer=2", "launcher.nproc_per_node=2", "sharding.outer_dp_sharding_strategy=optim"],
+     "sharding.outer_dp_sharding_strategy"),
+    (["engine=fsdp2", "model=toy_cnn", "mesh.tp=2", "launcher.nproc_per_node=2"], "mesh.tp"),
+    # precision
+    (["precision.compute_dtype=fp8"], "precision.compute_dtype"),
+    (["precision.main_params_dtype=int8"], "precision.main_params_dtype"),
+    (["engine=fsdp2", "precision.main_params_dtype=bf16"], "precision.main_params_dtype"),
+    # FP8
+    (["fp8.recipe=fancy"], "fp8.recipe"),
+    (["fp8.recipe=current"], "fp8.recipe"),  # gpt has no TE layers: it would do nothing
+    (["fp8.params=true"], "fp8.params"),
+    (["model=te_gpt", "fp8.recipe=current", "fp8.params=true"], "fp8.params"),  # fsdp2
+    (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=current", "fp8.params=true",
+      "sharding.zero_dp_strategy=2"], "fp8.params"),
+    (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=current", "fp8.params=true",
+      "precision.main_params_dtype=null", "engine.keep_fp8_transpose_cache=true"], "precision.main_params_dtype"),
+    (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=delayed", "fp8.params=true"],
+     "engine.keep_fp8_transpose_cache"),
+    (["fp8.format=E5M2"], "fp8.format"),
+    # model
+    (["model.preset=999b"], "model.preset"),
+    (["model.dim=65"], "model.dim"),
+    (["model.n_kv_heads=3"], "model.n_heads"),  # "n_heads=4 is not divisible by n_kv_heads=3"
+    (["model=gpt", "engine=megatron_fsdp", "mesh.tp=2", "launcher.nproc_per_node=2"], "mesh.tp"),
+    (["model=gpt", "engine=megatron_fsdp", "mesh.cp=2", "launcher.nproc_per_node=2"], "mesh.cp"),
+    (["model=toy_transformer", "data=text"], "data"),
+    (["model=toy_transformer", "model.n_heads=3", "engine=megatron_fsdp", "mesh.tp=2",
+      "launcher.nproc_per_node=2"], "mesh.tp"),
+    (["model=toy_cnn", "engine=megatron_fsdp", "mesh.cp=2", "train.seq_len=3", "launcher.nproc_per_node=2"],
+     "train.seq_len"),
+    (["data=text", "model.vocab_size=100"], "model.vocab_size"),
+    (["model.freeze=[nothing.matches.*]"], "model.freeze"),
+    # train / optim
+    (["train.steps=0"], "train.steps"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size"),
+    (["train.grad_accum_steps=0"], "train.grad_accum_steps"),
+    (["train.grad_clip=-1"], "train.grad_clip"),
+    (["train.cuda_graph=sometimes"], "train.cuda_graph"),
+    (["train.cuda_graph=full_iteration"], "engine"),
+    (["engine=megatron_fsdp", "train.cuda_graph=full_iteration"], "optim.impl"),
+    (["optim.lr=0"], "optim.lr"),
+    (["optim.impl=te_fused"], "optim.impl"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
+    # checkpoint
+    (["checkpoint.resume=sometimes"], "checkpoint.resume"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last"),
+    (["checkpoint.load_weights_only=true"], "checkpoint.load_weights_only"),
+    (["checkpoint.load_step=5", "checkpoint.resume=never"], "checkpoint.load_step"),
+    # launcher
+    (["launcher.nnodes=2"], "launcher.rdzv_endpoint"),
+    (["launcher.nnodes=2", "launcher.rdzv_endpoint=hostonly"], "launcher.rdzv_endpoint"),
+    (["launcher.node_rank=1"], "launcher.node_rank"),
+    (["launcher.nproc_per_node=0"], "launcher.nproc_per_node"),
+    (["mesh.enabled=false"], "mesh.enabled"),
+    (["engine=megatron_fsdp", "mesh.enabled=false", "mesh.dp_outer=2", "launcher.nproc_per_node=2"], "mesh.enabled"),
+    (["engine.backend=mpi"], "engine.backend"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", REFUSALS, ids=[" ".join(o) for o, _ in REFUSALS])
+def test_refusals_name_the_key(overrides, key):
+    err = refused(*overrides)
+    assert err.key == key, str(err)
+    line = str(err)
+    assert "\n" not in line and line.startswith(key)
+
+
+def test_unknown_key_lists_allowed_keys():
+    err = refused("train.no_such_key=1")
+    assert "steps" in err.allowed and "micro_batch_size" in err.allowed
+
+
+def test_full_iteration_cuda_graph_accepts_the_seed_setup():
+    checked("engine=megatron_fsdp", "model=toy_transformer", "train.cuda_graph=full_iteration",
+            "optim.impl=te_fused", "precision.main_grads_dtype=fp32")
+
+
+def test_megatron_fsdp_needs_a_gpu_when_not_a_dry_run(monkeypatch):
+    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 0)
+    err = refused("engine=megatron_fsdp", hardware=True)
+    assert err.key == "engine" and "CUDA" in str(err)
+
+
+def test_too_many_processes_for_the_gpus(monkeypatch):
+    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 2)
+    err = refused("engine=megatron_fsdp", "launcher.nproc_per_node=4", hardware=True)
+    assert err.key == "launcher.nproc_per_node"
+
+
+def test_fsdp2_runs_on_cpu_with_gloo(monkeypatch):
+    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 0)
+    checked("+recipe=cpu_smoke", hardware=True)
+
+
+def test_freeze_glob_that_matches_is_accepted():
+    cfg, _ = checked("model=toy_transformer", "model.freeze=[transformer.encoder.*]")
+    assert list(cfg.model.freeze) == ["transformer.encoder.*"]
+
+
+def test_cross_node_warning_in_validation():
+    _, warnings = checked("launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.rdzv_endpoint=h:1")
+    assert any("dp_shard" in w and "span" in w for w in warnings)
+
+
+def test_missing_te_is_a_warning_in_dry_run_and_an_error_otherwise(monkeypatch):
+    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 8)
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    _, warnings = checked("+recipe=hfsdp_fp8", "launcher.nproc_per_node=8")
+    assert any("Transformer Engine" in w for w in warnings)
+    err = refused("+recipe=hfsdp_fp8", "launcher.nproc_per_node=8", hardware=True)
+    assert "Transformer Engine" in str(err)
