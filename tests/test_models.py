@@ -170,7 +170,7 @@ def test_unknown_preset_and_bad_dims():
         sizes.resolve_gpt_dims(gpt_cfg(preset="huge"))
     with pytest.raises(ValueError, match="^model.dim=100 is not divisible by model.n_heads"):
         sizes.resolve_gpt_dims(gpt_cfg(dim=100, n_heads=3))
-    with pytest.raises(ValueError, match="^model.n_kv_heads=3 does not divide"):
+    with pytest.raises(ValueError, match="^model.n_heads=4 is not divisible by model.n_kv_heads=3"):
         sizes.resolve_gpt_dims(gpt_cfg(n_heads=4, n_kv_heads=3))
     with pytest.raises(ValueError, match="must be even for RoPE"):
         sizes.resolve_gpt_dims(gpt_cfg(dim=60, n_heads=4))

@@ -151,7 +151,7 @@ def validate_gpt_dims(d: GPTDims) -> None:
         raise ValueError(f"model.dim={d.dim} is not divisible by model.n_heads={d.n_heads}")
     if d.n_heads % d.n_kv_heads:
         raise ValueError(
-            f"model.n_kv_heads={d.n_kv_heads} does not divide model.n_heads={d.n_heads}"
+            f"model.n_heads={d.n_heads} is not divisible by model.n_kv_heads={d.n_kv_heads}"
         )
     if d.head_dim % 2:
         raise ValueError(

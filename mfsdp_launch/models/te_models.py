@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gpt import Embedding
+from .gpt import Embedding, RMSNorm
 from .sizes import GPTDims
 
 INIT_STD = 0.02
@@ -124,7 +124,8 @@ class TEGPT(nn.Module):
 
     Each layer is a TE TransformerLayer with fused QKV, RMSNorm, SwiGLU, causal attention, GQA,
     RoPE and no biases or dropout, so it holds the same tensors as gpt's Block. The output head is
-    a te.pytorch.Linear, or the embedding weight itself when tied.
+    a te.pytorch.Linear, or the embedding weight itself when tied. The final norm is gpt's torch
+    RMSNorm (same parameter).
     """
 
     def __init__(self, dims: GPTDims, params_dtype: Optional[torch.dtype] = None):
@@ -166,7 +167,10 @@ class TEGPT(nn.Module):
             )
             for i in range(dims.n_layers)
         )
-        self.norm = te.RMSNorm(dims.dim, eps=dims.norm_eps, dtype=dtype, device=device)
+        # The final norm is the plain torch RMSNorm (one fused kernel): TE's op-based RMSNorm
+        # replaces its Parameter in reset_parameters(), which Megatron-FSDP's meta init and
+        # parameter swapping do not need to deal with for a module outside every FSDP unit.
+        self.norm = RMSNorm(dims.dim, dims.norm_eps, dtype=dtype, device=device)
         self.lm_head = None
         if not dims.tie_embeddings:
             self.lm_head = te.Linear(

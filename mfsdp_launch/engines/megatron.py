@@ -1,0 +1,571 @@
+"""NVIDIA Megatron-FSDP (`fully_shard_model` + `fully_shard_optimizer`). CUDA + NCCL only.
+
+The argument mapping (config -> Megatron-FSDP arguments) is the pure function
+`plan_megatron_fsdp`, unit-tested without CUDA. The engine class applies it and works around
+what Megatron-FSDP 0.6.1 leaves to the caller (see shared notes):
+
+* `fully_shard` would discard our param groups: we call `fully_shard_model` and
+  `fully_shard_optimizer` separately.
+* `fully_shard_optimizer` runs one synthetic `step()` on zero gradients to create the optimizer
+  state, which advances Adam's step count and applies weight decay (upstream issue 5974). We run
+  it with lr=0 and weight_decay=0, restore them, and reset every step counter to 0, so the first
+  real update equals plain AdamW's.
+* There is no compute dtype: the model is cast to `precision.compute_dtype` before wrapping (TE
+  FP8 primary weights are left alone).
+* Gradient clipping: the global L2 norm over uneven gradient shards (some `None`) is summed over
+  the group the shards are disjoint in (`dist_index`), then every shard is scaled.
+* Checkpoints: `model.state_dict()` gives DTensors (uneven shards, DCP-ready) but drops TE's
+  `_extra_state` (FP8 delayed-scaling history) and is unsupported with `no_shard`. We save the
+  FP8 history ourselves under "te_extra_state" (plain tensors serialized to bytes, no pickle of
+  code objects), and save `no_shard` state as plain replicated tensors, which DCP reshards to
+  any world size and any strategy.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from .base import Engine, local_tensor
+
+ZERO = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OUTER = ("no_shard", "optim")
+TE_EXTRA_STATE = "te_extra_state"
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+
+
+def _strategy(value, names, key) -> str:
+    if isinstance(value, bool):
+        raise ConfigError(key, f"got {value!r}", names)
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        i = int(value)
+        if 0 <= i < len(names):
+            return names[i]
+        raise ConfigError(key, f"{i} is out of range", names)
+    if value in names:
+        return value
+    raise ConfigError(key, f"unknown strategy {value!r}", names)
+
+
+@dataclass(frozen=True)
+class MegatronPlan:
+    """Everything `MegatronFSDPEngine` passes to Megatron-FSDP, as plain values.
+
+    Mesh dims and groups are named (resolved against the DeviceMesh at shard time); dtypes are
+    config names ("fp32", "bf16", ...) or None.
+    """
+
+    use_mesh: bool  # False: Megatron-FSDP builds its own (world, 1) mesh ("ez" path)
+    dp_shard_dim: Optional[str]
+    dp_outer_dim: Optional[str]
+    tp_dim: Optional[str]
+    hybrid_fsdp_group_dim: Optional[str]  # mesh dim whose group is hybrid_fsdp_group
+    zero_dp_strategy: str
+    outer_dp_sharding_strategy: str
+    compute_dtype: Optional[str]
+    main_params_dtype: Optional[str]
+    main_grads_dtype: Optional[str]
+    grad_comm_dtype: Optional[str]
+    init_model_with_meta_device: bool
+    sync_model_each_microbatch: bool
+    keep_fp8_transpose_cache: bool
+    use_decoupled_grad: bool
+    report_nan_in_param_grad: bool
+    cuda_graph_mode: bool
+    # Group over which gradient shards are disjoint: "none" (full replicas), "fsdp"
+    # (dp_shard[_cp]) or "hybrid" (dp_outer x dp_shard[_cp], HFSDP).
+    grad_norm_group: str
+    # "dtensor": Megatron-FSDP's uneven DTensors; "replicated": plain full tensors (no_shard).
+    checkpoint_format: str
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_enabled: bool = True,
+                       init_on_meta: bool = False, cuda_graph: bool = False) -> MegatronPlan:
+    """Map the config onto Megatron-FSDP's arguments. Pure: no torch, no CUDA, no process group.
+
+    Raises ConfigError for combinations Megatron-FSDP refuses (checked again here so that a
+    programmatic caller that skipped `validate` gets the same one-line error, not a deep one).
+    """
+    zero = _strategy(sharding_cfg.zero_dp_strategy, ZERO, "sharding.zero_dp_strategy")
+    outer = _strategy(sharding_cfg.outer_dp_sharding_strategy, OUTER,
+                      "sharding.outer_dp_sharding_strategy")
+    hybrid = mesh_enabled and dims.dp_outer > 1
+    if outer == "optim":
+        if zero != "optim_grads_params":
+            raise ConfigError("sharding.outer_dp_sharding_strategy",
+                              f"'optim' (HFSDP) needs zero_dp_strategy=optim_grads_params, got {zero}",
+                              "no_shard")
+        if not hybrid:
+            raise ConfigError("sharding.outer_dp_sharding_strategy",
+                              "'optim' shards across dp_outer, but mesh.dp_outer=1", "no_shard")
+    if init_on_meta and zero == "no_shard":
+        raise ConfigError("model.init_on_meta", "Megatron-FSDP refuses meta-device init with "
+                          "zero_dp_strategy=no_shard", "false")
+    if not mesh_enabled and (dims.dp_outer, dims.cp, dims.tp) != (1, 1, 1):
+        raise ConfigError("mesh.enabled", "false builds a plain FSDP mesh; it cannot have "
+                          f"dp_outer/cp/tp > 1 (got {tuple(dims.shape)})", "true")
+    pc = precision_cfg
+    for key in ("compute_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+        value = getattr(pc, key)
+        if value is not None and value not in _DTYPE_NAMES:
+            raise ConfigError(f"precision.{key}", f"unknown dtype {value!r}", tuple(_DTYPE_NAMES))
+    if zero == "no_shard":
+        norm_group = "none"
+    elif outer == "optim":
+        norm_group = "hybrid"
+    else:
+        norm_group = "fsdp"
+    if mesh_enabled:
+        shard_dim = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+        outer_dim = "dp_outer" if hybrid else None
+        hybrid_dim = "hsdp" if hybrid else None
+        tp_dim = "tp"
+    else:
+        shard_dim = outer_dim = hybrid_dim = tp_dim = None
+    return MegatronPlan(
+        use_mesh=bool(mesh_enabled),
+        dp_shard_dim=shard_dim,
+        dp_outer_dim=outer_dim,
+        tp_dim=tp_dim,
+        hybrid_fsdp_group_dim=hybrid_dim,
+        zero_dp_strategy=zero,
+        outer_dp_sharding_strategy=outer if hybrid else "no_shard",
+        compute_dtype=pc.compute_dtype or "fp32",
+        main_params_dtype=pc.main_params_dtype,
+        main_grads_dtype=pc.main_grads_dtype,
+        grad_comm_dtype=pc.grad_comm_dtype,
+        init_model_with_meta_device=bool(init_on_meta),
+        sync_model_each_microbatch=bool(getattr(engine_cfg, "sync_every_microbatch", False)),
+        keep_fp8_transpose_cache=bool(getattr(engine_cfg, "keep_fp8_transpose_cache", False)),
+        use_decoupled_grad=bool(getattr(engine_cfg, "use_decoupled_grad", False)),
+        report_nan_in_param_grad=bool(getattr(engine_cfg, "report_nan_in_param_grad", False)),
+        cuda_graph_mode=bool(cuda_graph),
+        grad_norm_group=norm_group,
+        checkpoint_format="replicated" if zero == "no_shard" else "dtensor",
+    )
+
+
+def _torch_dtype(name: Optional[str]):
+    return None if name is None else getattr(torch, _DTYPE_NAMES[name])
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The MegatronFSDP module under torch.compile's OptimizedModule."""
+    while hasattr(model, "_orig_mod"):
+        model = model._orig_mod
+    return model
+
+
+def import_megatron_fsdp():
+    """megatron_fsdp, or a RuntimeError with one clear line (a half-installed TE makes its import
+    raise RuntimeError rather than ImportError)."""
+    try:
+        import megatron_fsdp
+    except Exception as exc:  # noqa: BLE001 - see docstring
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise RuntimeError(f"engine=megatron_fsdp: cannot import megatron_fsdp "
+                           f"({type(exc).__name__}: {first}); a half-installed Transformer Engine "
+                           "causes this too") from exc
+    return megatron_fsdp
+
+
+def _is_quantized(t) -> bool:
+    """A TE QuantizedTensor (FP8 primary weight), found without importing TE."""
+    t = local_tensor(t)
+    return any(c.__name__ == "QuantizedTensor" for c in type(t).__mro__)
+
+
+def _cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating params/buffers to `dtype`; TE FP8 primary weights keep their type."""
+    if not any(_is_quantized(p) for p in model.parameters()):
+        model.to(dtype=dtype)
+        return
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point() and not _is_quantized(p) and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                module._buffers[name] = b.to(dtype)
+
+
+class MegatronFSDPEngine(Engine):
+    name = "megatron_fsdp"
+
+    def __init__(self, *, engine_cfg, sharding_cfg, precision_cfg, dims, mesh, device: torch.device,
+                 cuda_graph: bool = False, **_ignored):
+        super().__init__(engine_cfg=engine_cfg, sharding_cfg=sharding_cfg, precision_cfg=precision_cfg,
+                         dims=dims, mesh=mesh, device=device)
+        # The worker sets this for train.cuda_graph=full_iteration (read in shard/wrap_optimizer).
+        self.cuda_graph_mode = bool(cuda_graph)
+        self.plan: Optional[MegatronPlan] = None
+        self._model = None
+
+    # ------------------------------------------------------------------------------ wrap
+
+    def make_plan(self, init_on_meta: bool) -> MegatronPlan:
+        return plan_megatron_fsdp(self.dims, self.sharding_cfg, self.precision_cfg, self.engine_cfg,
+                                  mesh_enabled=self.mesh is not None, init_on_meta=init_on_meta,
+                                  cuda_graph=self.cuda_graph_mode)
+
+    def shard(self, model, spec, *, init_on_meta: bool):
+        mfsdp = import_megatron_fsdp()
+        plan = self.plan = self.make_plan(init_on_meta)
+        units = tuple(spec.unit_modules)
+        if plan.zero_dp_strategy == "optim_grads_params" and not any(
+                isinstance(m, units) for m in model.modules() if m is not model):
+            raise ConfigError("model.fsdp_unit_modules", f"no module of {model.__class__.__name__} is an "
+                              f"FSDP unit ({', '.join(c.__name__ for c in units) or 'none given'}); "
+                              "ZeRO-3 needs at least one", "class names of the model's blocks")
+        _cast_model(model, _torch_dtype(plan.compute_dtype))
+        policy = mfsdp.MixedPrecisionPolicy(
+            main_params_dtype=_torch_dtype(plan.main_params_dtype),
+            main_grads_dtype=_torch_dtype(plan.main_grads_dtype),
+            grad_comm_dtype=_torch_dtype(plan.grad_comm_dtype),
+        )
+        kwargs = dict(
+            module=model,
+            fsdp_unit_modules=list(units),
+            zero_dp_strategy=plan.zero_dp_strategy,
+            outer_dp_sharding_strategy=plan.outer_dp_sharding_strategy,
+            init_model_with_meta_device=plan.init_model_with_meta_device,
+            mixed_precision_policy=policy,
+            sync_model_each_microbatch=plan.sync_model_each_microbatch,
+            report_nan_in_param_grad=plan.report_nan_in_param_grad,
+            keep_fp8_transpose_cache=plan.keep_fp8_transpose_cache,
+            use_decoupled_grad=plan.use_decoupled_grad,
+            cuda_graph_mode=plan.cuda_graph_mode,
+        )
+        if plan.use_mesh:
+            kwargs.update(
+                device_mesh=self.mesh,
+                dp_shard_dim=plan.dp_shard_dim,
+                dp_outer_dim=plan.dp_outer_dim,
+                tp_dim=plan.tp_dim,
+                hybrid_fsdp_group=(self.mesh[plan.hybrid_fsdp_group_dim].get_group()
+                                   if plan.hybrid_fsdp_group_dim else None),
+            )
+        wrapped = mfsdp.fully_shard_model(**kwargs)
+        self._model = wrapped
+        return wrapped
+
+    def wrap_optimizer(self, model, optimizer):
+        mfsdp = import_megatron_fsdp()
+        if self.cuda_graph_mode:
+            make_capturable(optimizer, self.device)
+        saved = []
+        for group in optimizer.param_groups:
+            lr = group.get("lr")
+            saved.append((lr.clone() if torch.is_tensor(lr) else lr, group.get("weight_decay")))
+            if torch.is_tensor(lr):
+                lr.fill_(0.0)
+            else:
+                group["lr"] = 0.0
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
+        try:
+            # Synthetic step on zero grads (0.6.1): with lr=0 and weight_decay=0 it changes nothing.
+            optimizer = mfsdp.fully_shard_optimizer(optimizer)
+        finally:
+            for group, (lr, wd) in zip(optimizer.param_groups, saved):
+                if torch.is_tensor(group.get("lr")) and torch.is_tensor(lr):
+                    group["lr"].copy_(lr)
+                else:
+                    group["lr"] = lr
+                if wd is not None:
+                    group["weight_decay"] = wd
+        reset_step_counters(optimizer)
+        return optimizer
+
+    # ------------------------------------------------------------------------------ train loop
+
+    def set_grad_sync(self, model, sync: bool) -> None:
+        unwrap(model).set_model_auto_sync(bool(sync))
+
+    def grad_norm_group(self):
+        m = self._model
+        if m is None or self.plan is None or self.plan.grad_norm_group == "none":
+            return None
+        index = m.dist_index
+        group = index.get_dp_group() if self.plan.grad_norm_group == "hybrid" else index.get_fsdp_group()
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+        return group
+
+    def _grads(self, model) -> List[torch.Tensor]:
+        attr = "decoupled_grad" if self.plan is not None and self.plan.use_decoupled_grad else "grad"
+        out = []
+        for p in unwrap(model).parameters():
+            g = getattr(p, attr, None)
+            if g is None:
+                continue
+            g = local_tensor(g)
+            if g.numel():
+                out.append(g)
+        return out
+
+    def clip_grad_norm(self, model, max_norm: Optional[float]) -> torch.Tensor:
+        """Global L2 norm over uneven shards (None where a shard is empty); scales to max_norm."""
+        m = unwrap(model)
+        if not getattr(m, "model_auto_sync", True):
+            raise RuntimeError("clip_grad_norm before the gradients were synchronized: call "
+                               "set_grad_sync(model, True) before the last microbatch's backward")
+        grads = self._grads(m)
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for gs in by_dtype.values():
+            norms = torch._foreach_norm(gs, 2.0, dtype=torch.float32)
+            sq = sq + torch.stack(norms).pow(2).sum()
+        group = self.grad_norm_group()
+        if group is not None:
+            dist.all_reduce(sq, group=group)
+        total = sq.sqrt()
+        if max_norm is not None and grads:
+            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for dtype, gs in by_dtype.items():
+                torch._foreach_mul_(gs, scale.to(dtype))
+        return total
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_format(self) -> str:
+        return self.plan.checkpoint_format if self.plan is not None else "dtensor"
+
+    def state_dict(self, model, optimizer) -> Dict[str, Any]:
+        """{"model", "optimizer", ["te_extra_state"]} for DCP. Collective: every rank, same order."""
+        m = unwrap(model)
+        msd = {k: v for k, v in m.state_dict().items() if not k.endswith("_extra_state")}
+        replicated = self._checkpoint_format() == "replicated"
+        if replicated:
+            msd = {k: _to_plain(v) for k, v in msd.items()}
+        out: Dict[str, Any] = {"model": msd}
+        if optimizer is not None:
+            osd = optimizer.state_dict()
+            if replicated:
+                osd = dict(osd)
+                osd["state"] = {i: {k: _to_plain(v) for k, v in s.items()} for i, s in osd["state"].items()}
+            out["optimizer"] = osd
+        te_state = te_extra_state(getattr(m, "module", m))
+        if te_state:
+            out[TE_EXTRA_STATE] = te_state
+        return out
+
+    def load_state_dict(self, model, optimizer, state: Dict[str, Any]) -> None:
+        m = unwrap(model)
+        if state.get(TE_EXTRA_STATE):
+            # First: loading the weights re-quantizes FP8 primary weights with these scales.
+            load_te_extra_state(getattr(m, "module", m), state[TE_EXTRA_STATE])
+        m._replace_param_with_distributed_if_needed()
+        msd = state["model"]
+        if self._checkpoint_format() == "replicated":
+            live = m.state_dict()
+            msd = {k: _like(v, live.get(k)) for k, v in msd.items()}
+        # strict=False: TE's _extra_state keys are handled above. Megatron-FSDP's post-load hook
+        # copies the main weights into the compute weights.
+        result = m.load_state_dict(msd, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing:
+            raise RuntimeError(f"the loaded state lacks model keys {missing[:4]}"
+                               + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""))
+        if optimizer is not None and "optimizer" in state:
+            osd = state["optimizer"]
+            if self._checkpoint_format() == "replicated":
+                live = optimizer.state_dict()["state"]
+                osd = dict(osd)
+                osd["state"] = {i: {k: _like(v, live.get(i, {}).get(k)) for k, v in s.items()}
+                                for i, s in osd["state"].items()}
+            optimizer.load_state_dict(osd)
+
+    def full_model_state_dict(self, model) -> Dict[str, torch.Tensor]:
+        """Unsharded weights, prefixes stripped (collective; handles uneven shards)."""
+        from torch.distributed.tensor import DTensor
+
+        from .base import strip_prefixes
+
+        sd = self.state_dict(model, None)["model"]
+        out = {}
+        for k in sorted(sd):
+            v = sd[k]
+            if isinstance(v, DTensor):
+                v = full_tensor(v)
+            if isinstance(v, torch.Tensor):
+                out[strip_prefixes(k)] = v.detach().cpu()
+        return out
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def make_capturable(optimizer, device) -> None:
+    """Turn a TE FusedAdam into its CUDA-graph-safe form (capturable=True) before its first step:
+    LR and step counters become device tensors."""
+    if getattr(optimizer, "capturable", None) is None:
+        raise ConfigError("optim.impl", f"{type(optimizer).__name__} cannot be captured in a CUDA "
+                          "graph", "te_fused")
+    if optimizer.capturable:
+        return
+    optimizer.capturable = True
+    optimizer._step_supports_amp_scaling = True
+    for group in optimizer.param_groups:
+        if not torch.is_tensor(group["lr"]):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        if "step" in group and not torch.is_tensor(group["step"]):
+            group["step"] = torch.tensor([int(group["step"])], dtype=torch.int, device=device)
+
+
+def reset_step_counters(optimizer) -> None:
+    """Step counts back to 0 after fully_shard_optimizer's synthetic step (per-param state for
+    torch.optim, per-group 'step' for TE FusedAdam)."""
+    for st in optimizer.state.values():
+        if "step" in st:
+            if torch.is_tensor(st["step"]):
+                st["step"].zero_()
+            else:
+                st["step"] = 0
+    for group in optimizer.param_groups:
+        if "step" in group:
+            if torch.is_tensor(group["step"]):
+                group["step"].zero_()
+            else:
+                group["step"] = 0
+
+
+def full_tensor(t) -> torch.Tensor:
+    """The full tensor of an (unevenly sharded) Megatron-FSDP DTensor; collective."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    from megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
+
+    return uneven_dtensor_to_full_tensor(t)
+
+
+def _to_plain(v):
+    """A replicated DTensor -> its (full) local tensor; anything else unchanged."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(v, DTensor):
+        if not all(isinstance(p, Replicate) for p in v.placements):
+            raise RuntimeError(f"expected a replicated DTensor under no_shard, got {v.placements}")
+        # detach(): a new tensor object on the same storage, without the DCP hooks Megatron-FSDP
+        # attaches to its local tensors.
+        return v._local_tensor.detach()
+    return v
+
+
+def _like(v, ref):
+    """Wrap a loaded plain tensor back into a DTensor shaped like `ref` (when ref is one)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(ref, DTensor) and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+        return DTensor.from_local(v.to(ref.device), device_mesh=ref.device_mesh, placements=ref.placements,
+                                  run_check=False, shape=ref.shape, stride=ref.stride())
+    return v
+
+
+# ---- TE FP8 scaling state (delayed scaling): what Megatron-FSDP's state_dict drops
+
+
+def _te_base_class():
+    try:
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    except Exception:  # noqa: BLE001 - TE absent or half-installed: no TE modules to save
+        return None
+    return TransformerEngineBaseModule
+
+
+def _te_modules(module: torch.nn.Module):
+    base = _te_base_class()
+    if base is None:
+        return []
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, base)]
+
+
+def _delayed_state(meta: dict):
+    fwd, bwd = meta.get("scaling_fwd"), meta.get("scaling_bwd")
+    if all(hasattr(s, "amax_history") and hasattr(s, "scale") for s in (fwd, bwd)):
+        return fwd, bwd
+    return None
+
+
+def te_extra_state(module: torch.nn.Module) -> Dict[str, bytes]:
+    """{TE module name: bytes} holding each module's FP8 delayed-scaling history (b"" when it has
+    none). The key set depends only on the model's structure, so a fresh model's template has the
+    same keys as the checkpoint. Tensors go through torch.save, loaded back with weights_only."""
+    out: Dict[str, bytes] = {}
+    for name, m in _te_modules(module):
+        payload = b""
+        meta = getattr(m, "fp8_meta", None) or {}
+        states = _delayed_state(meta)
+        if states is not None:
+            fwd, bwd = states
+            recipe = meta.get("recipe")
+            fmt = getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID")
+            algo = getattr(recipe, "amax_compute_algo", "max")
+            blob = {
+                "scale_fwd": fwd.scale.detach().cpu(), "amax_history_fwd": fwd.amax_history.detach().cpu(),
+                "scale_bwd": bwd.scale.detach().cpu(), "amax_history_bwd": bwd.amax_history.detach().cpu(),
+                "num_gemms": int(meta.get("num_gemms", 1)),
+                "fp8_format": str(fmt),
+                "margin": int(getattr(recipe, "margin", 0)),
+                "amax_compute_algo": algo if isinstance(algo, str) else "max",
+                "amax_history_len": int(fwd.amax_history.shape[0]),
+            }
+            buf = io.BytesIO()
+            torch.save(blob, buf)
+            payload = buf.getvalue()
+        out[name or "root"] = payload
+    return out
+
+
+def load_te_extra_state(module: torch.nn.Module, state: Dict[str, Any]) -> int:
+    """Restore what `te_extra_state` saved; returns how many modules got FP8 history."""
+    restored = 0
+    for name, m in _te_modules(module):
+        payload = state.get(name or "root")
+        if isinstance(payload, torch.Tensor):
+            payload = payload.cpu().numpy().tobytes()
+        if not payload:
+            continue
+        blob = torch.load(io.BytesIO(bytes(payload)), weights_only=True, map_location="cpu")
+        meta = m.fp8_meta
+        if _delayed_state(meta) is None:
+            from transformer_engine.common.recipe import DelayedScaling, Format
+
+            recipe = meta.get("recipe")
+            if recipe is None or not recipe.delayed():
+                recipe = DelayedScaling(fp8_format=Format[blob["fp8_format"]], margin=blob["margin"],
+                                        amax_history_len=blob["amax_history_len"],
+                                        amax_compute_algo=blob["amax_compute_algo"])
+            meta["recipe"] = recipe
+            meta["num_gemms"] = blob["num_gemms"]
+            m.init_fp8_meta_tensors(recipe)
+        fwd, bwd = _delayed_state(meta)
+        with torch.no_grad():
+            for st, key in ((fwd, "fwd"), (bwd, "bwd")):
+                _copy_overlap(st.scale, blob[f"scale_{key}"])
+                _copy_overlap(st.amax_history, blob[f"amax_history_{key}"])
+        restored += 1
+    if restored and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return restored
+
+
+def _copy_overlap(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape == src.shape:
+        dst.copy_(src)
+        return
+    sl = tuple(slice(0, min(a, b)) for a, b in zip(dst.shape, src.shape))
+    dst[sl].copy_(src[sl])
+

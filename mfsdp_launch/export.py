@@ -1,0 +1,131 @@
+"""`mfsdp-export CKPT OUT`: a committed checkpoint's model weights as one plain file.
+
+    python -m mfsdp_launch.export runs/x/checkpoints/step_40 model.safetensors --dtype bf16
+
+CKPT is a step directory, a `checkpoints/` directory or a run directory (the latter two give their
+newest intact checkpoint). The DCP shards are read in this process, without a process group, so
+it runs anywhere (no GPU, any world size). Only the model's tensors are kept; wrapper prefixes
+("module.", "_orig_mod.", ...) are stripped, so the keys are those of the unwrapped model's
+`state_dict()`. Floating-point tensors are cast to --dtype (default: as saved). The format is
+safetensors when the package is installed, else `torch.save`. Bad input: one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .errors import ConfigError
+
+DTYPES = ("fp32", "bf16", "fp16", "as_saved")
+FORMATS = ("safetensors", "torch")
+
+
+def _have_safetensors() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("safetensors") is not None
+
+
+def read_model_state(ckpt: str | os.PathLike) -> tuple[Dict[str, "torch.Tensor"], "object"]:
+    """The unwrapped model tensors of a committed checkpoint, and its Found record."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .checkpoint import quiet_single_process_warnings, resolve_checkpoint
+    from .engines.base import strip_prefixes
+
+    quiet_single_process_warnings()
+
+    found = resolve_checkpoint(ckpt, key="CKPT_DIR")
+    reader = FileSystemReader(str(found.path))
+    md = reader.read_metadata()
+    request: Dict[str, torch.Tensor] = {}
+    for key, meta in md.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+            request[key[len("model."):]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    if not request:
+        raise ConfigError("CKPT_DIR", f"{found.path} holds no model tensors")
+    dcp.load({"model": request}, storage_reader=reader, no_dist=True)
+    out: Dict[str, torch.Tensor] = {}
+    for key, t in request.items():
+        name = strip_prefixes(key)
+        if name in out:
+            raise ConfigError("CKPT_DIR", f"{found.path}: keys {key!r} and another both map to {name!r}")
+        out[name] = t
+    return out, found
+
+
+def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_saved",
+           fmt: Optional[str] = None) -> dict:
+    import torch
+
+    if dtype not in DTYPES:
+        raise ConfigError("--dtype", f"unknown dtype {dtype!r}", DTYPES)
+    fmt = fmt or ("safetensors" if _have_safetensors() else "torch")
+    if fmt not in FORMATS:
+        raise ConfigError("--format", f"unknown format {fmt!r}", FORMATS)
+    if fmt == "safetensors" and not _have_safetensors():
+        raise ConfigError("--format", "safetensors is not installed (pip install safetensors)", "torch")
+    out = Path(out).expanduser().absolute()
+    if out.is_dir():
+        raise ConfigError("OUT", f"{out} is a directory; give a file name")
+    if not out.parent.is_dir():
+        raise ConfigError("OUT", f"{out.parent} does not exist")
+    state, found = read_model_state(ckpt)
+    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    tensors = {}
+    for k, t in state.items():
+        if target is not None and t.is_floating_point():
+            t = t.to(target)
+        tensors[k] = t.contiguous()
+    tmp = out.with_name(out.name + ".tmp")
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp), metadata={"step": str(found.step), "source": str(found.path)})
+    else:
+        torch.save(tensors, str(tmp))
+    os.replace(tmp, out)
+    n_params = sum(t.numel() for t in tensors.values())
+    return {"path": str(out), "step": found.step, "source": str(found.path), "tensors": len(tensors),
+            "params": n_params, "format": fmt, "bytes": out.stat().st_size}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage too)
+        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _Parser(
+        prog="mfsdp-export",
+        description="Write a committed checkpoint's model weights to one safetensors/torch file.")
+    parser.add_argument("ckpt", metavar="CKPT_DIR", help="step_<N> directory, checkpoints/ or run directory")
+    parser.add_argument("out", metavar="OUT", help="output file")
+    parser.add_argument("--dtype", default="as_saved", choices=DTYPES, help="cast floating tensors (default: as saved)")
+    parser.add_argument("--format", default=None, choices=FORMATS,
+                        help="default: safetensors if installed, else torch")
+    args = parser.parse_args(argv)
+    try:
+        info = export(args.ckpt, args.out, dtype=args.dtype, fmt=args.format)
+    except ConfigError as exc:
+        print(f"mfsdp-export: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as exc:  # a damaged shard, an unreadable file: still one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"mfsdp-export: error: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+        return 2
+    print(f"mfsdp-export: wrote {info['tensors']} tensors ({info['params']:,} parameters) of step "
+          f"{info['step']} to {info['path']} ({info['format']}, {info['bytes'] / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""`mfsdp-report RUN_DIR [RUN_DIR ...] [--out DIR]`: plots and a short summary of runs.
+
+Reads each run's metrics.jsonl and draws loss, tokens/s/GPU, MFU and peak memory over steps,
+all runs overlaid (a sweep dir expands to its job dirs). Writes report.png (the four panels),
+one PNG per metric, and summary.txt (also printed). matplotlib is the optional `report` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from .sweep import METRICS_FILE, read_json, read_metrics
+
+PANELS = (
+    ("loss", "loss", "loss"),
+    ("tokens_per_s_per_gpu", "tokens/s/GPU", "throughput"),
+    ("mfu", "MFU (%)", "mfu"),
+    ("peak_mem_gib", "peak memory (GiB)", "memory"),
+)
+NO_MFU = "n/a (no device peak)"
+
+
+def _eprint(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class ReportError(Exception):
+    pass
+
+
+def expand_runs(paths: List[str]) -> List[Path]:
+    """Run dirs (holding metrics.jsonl); a sweep dir stands for the job dirs inside it."""
+    runs: List[Path] = []
+    for p in paths:
+        d = Path(p).expanduser().resolve()
+        if not d.is_dir():
+            raise ReportError(f"{p}: not a directory")
+        if (d / METRICS_FILE).is_file():
+            runs.append(d)
+            continue
+        from .sweep import job_dirs_in
+
+        jobs = [j for j in job_dirs_in(d) if (j / METRICS_FILE).is_file()]
+        if not jobs:  # a plain folder of runs
+            jobs = sorted(j for j in d.iterdir() if j.is_dir() and (j / METRICS_FILE).is_file())
+        if not jobs:
+            raise ReportError(f"{p}: no {METRICS_FILE} here or in its subdirectories (is it a run or sweep dir?)")
+        runs.extend(jobs)
+    seen, unique = set(), []
+    for r in runs:
+        if r not in seen:
+            seen.add(r)
+            unique.append(r)
+    return unique
+
+
+def labels_for(runs: List[Path]) -> List[str]:
+    """Short, distinct names: what differs between the runs' overrides (a sweep's swept values),
+    else the path below their common parent."""
+    if len(runs) == 1:
+        return [runs[0].name]
+    from .sweep import _overrides_from_disk, varying_overrides
+
+    rows = []
+    for r in runs:
+        st = read_json(r / "job_status.json") or {}
+        rows.append({"overrides": list(st.get("overrides") or _overrides_from_disk(r))})
+    _common, per_run = varying_overrides(rows)
+    labels = [" ".join(o) for o in per_run]
+    if all(labels) and len(set(labels)) == len(labels):
+        return labels
+    try:
+        common = Path(os.path.commonpath([str(r) for r in runs]))
+    except ValueError:
+        return [str(r) for r in runs]
+    return [(str(r.relative_to(common)) if r != common else r.name).replace("%2F", "/").replace("%25", "%")
+            for r in runs]
+
+
+def _series(rows: List[dict], key: str) -> Tuple[List[int], List[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)):
+            xs.append(r["step"])
+            ys.append(100 * v if key == "mfu" else v)
+    return xs, ys
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _draw(ax, runs_rows, labels, key: str, ylabel: str, legend: bool) -> None:
+    drawn = 0
+    for rows, label in zip(runs_rows, labels):
+        xs, ys = _series(rows, key)
+        if xs:
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.4, label=label)
+            drawn += 1
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(ylabel)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    if not drawn:
+        text = NO_MFU if key == "mfu" else "no data"
+        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=13, color="0.4")
+        ax.set_xticks([])
+        ax.set_yticks([])
+    elif legend and len(labels) > 1:
+        ax.legend(fontsize=7, loc="best")
+
+
+def plot(runs: List[Path], out: Path, plt) -> List[Path]:
+    runs_rows = [read_metrics(r) for r in runs]
+    labels = labels_for(runs)
+    written = []
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    for ax, (key, ylabel, _) in zip(axes.flat, PANELS):
+        _draw(ax, runs_rows, labels, key, ylabel, legend=False)
+    handles, names = [], []
+    for ax in axes.flat:
+        h, n = ax.get_legend_handles_labels()
+        if h:
+            handles, names = h, n
+            break
+    if len(runs) > 1 and handles:
+        rows = (len(names) + 2) // 3
+        fig.tight_layout(rect=(0, 0.03 * rows, 1, 0.97))
+        fig.legend(handles, names, loc="lower center", ncol=min(3, len(names)), fontsize=8, frameon=False,
+                   bbox_to_anchor=(0.5, 0.0))
+    else:
+        fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.suptitle(f"mfsdp-report: {len(runs)} run(s)", fontsize=10)
+    target = out / "report.png"
+    fig.savefig(target, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    written.append(target)
+    for key, ylabel, stem in PANELS:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        _draw(ax, runs_rows, labels, key, ylabel, legend=True)
+        fig.tight_layout()
+        target = out / f"{stem}.png"
+        fig.savefig(target, dpi=100)
+        plt.close(fig)
+        written.append(target)
+    return written
+
+
+def _num(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def summary_text(runs: List[Path]) -> str:
+    labels = labels_for(runs)
+    lines = []
+    for run, label in zip(runs, labels):
+        rows = read_metrics(run)
+        status = (read_json(run / "job_status.json") or {}).get("status")
+        if not rows:
+            lines.append(f"{label}: no metrics")
+            continue
+        last = rows[-1]
+        losses = [(r["loss"], r["step"]) for r in rows if isinstance(r.get("loss"), (int, float))]
+        best = min(losses) if losses else None
+        # The first logged interval includes start-up (compile, allocator warm-up): leave it out.
+        steady = rows[1:] if len(rows) > 1 else rows
+        tps = _num([r["tokens_per_s_per_gpu"] for r in steady if isinstance(r.get("tokens_per_s_per_gpu"), (int, float))])
+        mfu = _num([r["mfu"] for r in steady if isinstance(r.get("mfu"), (int, float))])
+        mem = max((r["peak_mem_gib"] for r in rows if isinstance(r.get("peak_mem_gib"), (int, float))), default=None)
+        parts = [f"step {last['step']}"]
+        if status:
+            parts.append(status)
+        if isinstance(last.get("loss"), (int, float)):
+            parts.append(f"final loss {last['loss']:.4f}")
+        if best is not None:
+            parts.append(f"best {best[0]:.4f} @ {best[1]}")
+        parts.append(f"tokens/s/GPU {tps:,.0f}" if tps is not None else "tokens/s/GPU n/a")
+        parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else f"MFU {NO_MFU}")
+        parts.append(f"peak mem {mem:.2f} GiB" if mem is not None else "peak mem n/a")
+        lines.append(f"{label}: " + ", ".join(parts))
+    header = f"mfsdp-report: {len(runs)} run(s)"
+    if len(runs) > 1:
+        header += f" under {os.path.commonpath([str(r) for r in runs])}"
+    return header + "\n" + "\n".join("  " + line for line in lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mfsdp-report",
+        description="Plot loss, tokens/s/GPU, MFU and memory of runs (or a whole sweep dir) over steps, "
+                    "overlaid, and summarize them.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run dirs or sweep dirs")
+    parser.add_argument("--out", default=None,
+                        help="where to write the PNGs and summary.txt (default: FIRST_RUN_DIR/report)")
+    args = parser.parse_args(argv)
+    try:
+        runs = expand_runs(args.runs)
+    except ReportError as exc:
+        _eprint(f"mfsdp-report: error: {exc}")
+        return 2
+    plt = _import_pyplot()
+    if plt is None:
+        _eprint("mfsdp-report: error: matplotlib is not installed (pip install 'mfsdp-launch[report]')")
+        return 2
+    out = Path(args.out).expanduser() if args.out else Path(args.runs[0]).expanduser() / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    written = plot(runs, out, plt)
+    text = summary_text(runs)
+    (out / "summary.txt").write_text(text)
+    print(text, end="")
+    print(f"mfsdp-report: wrote {', '.join(p.name for p in written)} and summary.txt to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

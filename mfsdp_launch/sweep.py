@@ -1,0 +1,542 @@
+"""`mfsdp-train -m ...`: a Hydra multirun where every job is its own torchrun launch.
+
+Real Hydra multirun: the configured sweeper expands the overrides and the configured launcher
+runs the jobs (the basic launcher: one after another in this process; `hydra/launcher=
+submitit_slurm` and friends work too, as the task function is a plain module-level function).
+
+Each job gets a deterministic directory, `<hydra.sweep.dir>/<hydra.job.override_dirname>`
+(a '/' in a value is escaped, so one job is one directory), which is its `run.dir`. The job
+records `job_status.json` there and never raises, so one failing job does not stop the sweep.
+
+Re-running the same sweep skips finished jobs and resumes the others. A job is finished when
+  * its directory holds a `DONE` marker whose step is >= the job's train.steps (the sweep writes
+    it after torchrun exits 0 and the run reached train.steps), or
+  * its newest intact committed checkpoint (`checkpoints/step_<N>/` whose manifest.json lists
+    files that are all there: the resume point `checkpoint.find_latest` picks) is at step
+    N >= train.steps (a run finished outside this sweep, or before the marker was written).
+Anything else is launched again and resumes from its newest checkpoint (`checkpoint.resume=auto`).
+
+After the sweep, the summary (console, `sweep_summary.csv`, `sweep_summary.md`) is built from
+the job directories on disk, so it also covers jobs that a launcher plugin ran elsewhere.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+from .errors import ConfigError
+
+STATUS_FILE = "job_status.json"
+DONE_FILE = "DONE"
+SUMMARY_CSV = "sweep_summary.csv"
+SUMMARY_MD = "sweep_summary.md"
+METRICS_FILE = "metrics.jsonl"  # metrics.METRICS_FILE, without importing torch here
+
+# Statuses a job can end with; the sweep exits 0 only if every job ended in OK_STATUSES.
+OK_STATUSES = ("done", "skipped", "dry_run", "submitted", "written")
+
+# Per-process sweep state: a job stopped on request (Ctrl-C, STOP file) stops the whole sweep.
+_STATE = {"stop": False, "started": 0}
+
+
+def _eprint(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def run_sweep(argv: List[str]) -> int:
+    """Run the sweep for these command-line arguments (with -m/--multirun); 0 if every job
+    finished or was skipped, 1 if any failed, 2 for bad overrides (nothing ran)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from .compose import config_dir, config_error_from, register_schema
+
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        _eprint(f"mfsdp-train: error: {flags[0]}: not supported with -m/--multirun "
+                "(allowed: key=value overrides; launcher.dry_run=true shows each job)")
+        return 2
+
+    _STATE.update(stop=False, started=0)
+    register_schema()  # before Hydra starts: config.yaml's first default is the schema
+    GlobalHydra.instance().clear()
+    hydra = Hydra.create_main_hydra2(task_name="mfsdp-train",
+                                     config_search_path=create_config_search_path(f"file://{config_dir()}"))
+    interrupted = False
+    returns = None
+    try:
+        try:
+            sweep_cfg = hydra.compose_config(config_name="config", overrides=overrides,
+                                             run_mode=RunMode.MULTIRUN)
+            sweep_dir = _abs(str(sweep_cfg.hydra.sweep.dir), sweep_cfg.hydra.runtime.cwd)
+            n_jobs = _prevalidate(hydra, sweep_cfg)
+        except Exception as exc:  # Hydra/OmegaConf raise many types; all mean bad input here
+            _eprint(f"mfsdp-train: error: {config_error_from(exc)}")
+            return 2
+        print(f"mfsdp-train: sweep{f' of {n_jobs} jobs' if n_jobs else ''} into {sweep_dir}", flush=True)
+        try:
+            returns = hydra.multirun(config_name="config", task_function=sweep_job, overrides=overrides)
+        except KeyboardInterrupt:
+            interrupted = True
+            _eprint("mfsdp-train: sweep interrupted; re-run the same command to resume it")
+        except Exception as exc:
+            if _STATE["started"] == 0:
+                # The sweeper composes every job before launching any: bad values end up here.
+                _eprint(f"mfsdp-train: error: {config_error_from(exc)}")
+                return 2
+            _eprint(f"mfsdp-train: sweep aborted: {_first_line(str(exc)) or type(exc).__name__}")
+            interrupted = True
+    finally:
+        GlobalHydra.instance().clear()
+
+    job_dirs = _job_dirs_from_returns(returns)
+    if job_dirs is None:  # a sweeper that returns no JobReturns: look at the sweep dir itself
+        job_dirs = job_dirs_in(sweep_dir)
+    rows = summarize(job_dirs, sweep_dir)
+    if interrupted:
+        return 130
+    return 0 if rows and all(r["status"] in OK_STATUSES for r in rows) else 1
+
+
+def _prevalidate(hydra, sweep_cfg) -> Optional[int]:
+    """Compose every job up front, before anything is written, as the basic sweeper would do
+    (later, after creating the sweep dir). Returns the number of jobs; None for other sweepers,
+    whose override syntax (ranges, intervals) is theirs to interpret."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    target = OmegaConf.select(sweep_cfg, "hydra.sweeper._target_")
+    if target != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return None
+    params = OmegaConf.select(sweep_cfg, "hydra.sweeper.params") or {}
+    args = [f"{k}={v}" for k, v in params.items()]
+    args += [str(o) for o in sweep_cfg.hydra.overrides.task]
+    parser = OverridesParser.create(config_loader=hydra.config_loader)
+    jobs = [job for batch in BasicSweeper.split_arguments(parser.parse_overrides(args), None) for job in batch]
+    for job in jobs:
+        hydra.config_loader.load_sweep_config(master_config=sweep_cfg, sweep_overrides=list(job))
+    return len(jobs)
+
+
+def _abs(path: str, cwd: Optional[str] = None) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = Path(cwd or os.getcwd()) / p
+    return Path(os.path.normpath(p))
+
+
+def _job_dirs_from_returns(returns) -> Optional[List[Path]]:
+    """The job directories of this sweep, in sweep order, from the launcher's JobReturns."""
+    if not isinstance(returns, (list, tuple)):
+        return None
+    dirs: List[Path] = []
+    try:
+        for batch in returns:
+            for ret in batch:
+                dirs.append(job_dir(ret.hydra_cfg.hydra))
+    except Exception:
+        return None
+    return dirs
+
+
+# --- one job -----------------------------------------------------------------------------------
+
+
+def job_dir(hydra_node) -> Path:
+    """`<sweep dir>/<override_dirname>`, deterministic in the job's overrides.
+
+    '/' in a value (data.path=/x/y) would nest directories, so it is escaped; '%' is escaped
+    first so that the mapping stays one-to-one. Very long names are shortened with a hash.
+    """
+    import hashlib
+
+    base = _abs(str(hydra_node.sweep.dir), str(hydra_node.runtime.cwd))
+    name = str(hydra_node.job.override_dirname)
+    safe = name.replace("%", "%25").replace(os.sep, "%2F")
+    if os.altsep:
+        safe = safe.replace(os.altsep, "%2F")
+    if not safe or safe in (".", ".."):
+        safe = "_default" if not safe else safe.replace(".", "%2E")
+    if len(safe.encode()) > 200:
+        safe = safe.encode()[:160].decode(errors="ignore") + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
+    return base / safe
+
+
+def _tidy_hydra_dir(hydra_node, ours: Path) -> None:
+    """Hydra made `<sweep>/<override_dirname>` itself; when that is not our (escaped) job dir,
+    remove the empty directories it left, never anything with files in it."""
+    try:
+        made = Path(str(hydra_node.runtime.output_dir))
+        base = _abs(str(hydra_node.sweep.dir), str(hydra_node.runtime.cwd))
+    except Exception:
+        return
+    if made == ours or base not in made.parents:
+        return
+    d = made
+    while d != base and base in d.parents:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+        d = d.parent
+
+
+def sweep_job(cfg) -> dict:
+    """Hydra's task function for one sweep point. Never raises: the outcome goes to
+    `<job dir>/job_status.json` and is returned (launcher plugins send it back)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    jdir = job_dir(hc)
+    overrides = [str(o) for o in hc.overrides.task]
+    label = str(hc.job.override_dirname) or "(no overrides)"
+    num = hc.job.num
+    _tidy_hydra_dir(hc, jdir)
+    jdir.mkdir(parents=True, exist_ok=True)
+    status = {"job_num": num, "overrides": overrides, "run_dir": str(jdir), "host": socket.gethostname(),
+              "status": "running", "exit_code": None, "error": None, "started": _now(), "finished": None}
+    t0 = time.time()
+
+    def finish(state: str, exit_code: Optional[int] = None, error: Optional[str] = None, **extra) -> dict:
+        status.update(status=state, exit_code=exit_code, error=error, finished=_now(),
+                      duration_s=round(time.time() - t0, 3), **extra)
+        _write_json(jdir / STATUS_FILE, status)
+        return {"status": state, "exit_code": exit_code, "run_dir": str(jdir), "error": error}
+
+    if _STATE["stop"]:
+        print(f"mfsdp-train: sweep job #{num} {label}: not run (the sweep was stopped)", flush=True)
+        return finish("not_run", error="the sweep was stopped before this job")
+    try:
+        from .compose import finalize
+
+        job_cfg = finalize(cfg)
+        job_cfg.run.dir = str(jdir)
+        status["train_steps"] = int(job_cfg.train.steps)
+        done = finished_step(jdir, job_cfg.train.steps)
+        if done is not None and not job_cfg.launcher.dry_run:
+            print(f"mfsdp-train: sweep job #{num} {label}: already finished (step {done}/"
+                  f"{job_cfg.train.steps}): skipped", flush=True)
+            _write_done(jdir, done, job_cfg.train.steps)
+            return finish("skipped", exit_code=0, final_step=done)
+        _STATE["started"] += 1
+        print(f"mfsdp-train: sweep job #{num} {label}: run.dir={jdir}", flush=True)
+        _write_json(jdir / STATUS_FILE, status)
+        return _run_job(job_cfg, overrides, jdir, finish)
+    except ConfigError as exc:
+        _eprint(f"mfsdp-train: sweep job #{num} {label}: error: {exc}")
+        return finish("invalid", exit_code=2, error=str(exc))
+    except Exception as exc:  # anything else: record it, keep sweeping
+        _eprint(f"mfsdp-train: sweep job #{num} {label}: failed: {type(exc).__name__}: {exc}")
+        status["traceback"] = traceback.format_exc()
+        return finish("failed", error=f"{type(exc).__name__}: {_first_line(str(exc))}")
+
+
+def _run_job(job_cfg, overrides: List[str], jdir: Path, finish) -> dict:
+    from . import launch as launch_mod
+    from .validate import validate
+
+    dry = job_cfg.launcher.dry_run
+    warnings = validate(job_cfg, check_hardware=not dry)
+    if dry:
+        from .dryrun import render
+
+        render(job_cfg, warnings)
+        return finish("dry_run", exit_code=0)
+    launch_mod._preflight(job_cfg)  # resume compatibility with what the job dir holds
+    for w in warnings:
+        _eprint(f"mfsdp-train: warning: {w}")
+    (jdir / DONE_FILE).unlink(missing_ok=True)  # a stale marker for fewer steps
+    rc = launch_mod.launch(job_cfg, overrides)
+    if job_cfg.launcher.kind == "slurm":
+        return finish(("submitted" if job_cfg.launcher.submit else "written") if rc == 0 else "failed",
+                      exit_code=rc)
+    step = reached_step(jdir)
+    stop_requested = (jdir / launch_mod.STOP_FILE).exists()  # left behind when a stop aborted the job
+    if rc == 0 and step is not None and step >= job_cfg.train.steps:
+        _write_done(jdir, step, job_cfg.train.steps)
+        return finish("done", exit_code=0, final_step=step)
+    if rc == 0 or stop_requested:
+        # Stopped on request before train.steps: the user wants the sweep to stop too.
+        _STATE["stop"] = True
+        _eprint(f"mfsdp-train: job stopped at step {step} of {job_cfg.train.steps}; stopping the sweep "
+                "(re-run the same command to resume it)")
+        return finish("stopped", exit_code=rc, final_step=step)
+    return finish("failed", exit_code=rc, final_step=step,
+                  error=f"torchrun exit code {rc}; its log is in the sweep's output")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _write_done(jdir: Path, step: int, train_steps: int) -> None:
+    _write_json(jdir / DONE_FILE, {"step": int(step), "train_steps": int(train_steps), "written": _now()})
+
+
+# --- what a run directory holds (also used by mfsdp-report) ------------------------------------
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def final_checkpoint_step(run_dir: Path) -> Optional[int]:
+    """Step of the newest intact committed checkpoint in `run_dir/checkpoints` (the resume point
+    the checkpoint module would pick: a `step_<N>` dir whose manifest lists files that are all
+    there), or None."""
+    try:
+        from .checkpoint import checkpoints_dir, find_latest
+    except ImportError:  # pragma: no cover - the checkpoint module is part of the package
+        return _latest_pointer_step(Path(run_dir) / "checkpoints")
+    found, _damaged = find_latest(checkpoints_dir(run_dir))
+    return found.step if found is not None else None
+
+
+def _latest_pointer_step(ckpts: Path) -> Optional[int]:
+    try:
+        name = (ckpts / "latest").read_text().strip()
+    except OSError:
+        return None
+    if not name.startswith("step_") or not (ckpts / name / "manifest.json").is_file():
+        return None
+    try:
+        return int(name[len("step_"):])
+    except ValueError:
+        return None
+
+
+def finished_step(run_dir: Path, train_steps: int) -> Optional[int]:
+    """The step a finished job reached, or None if it must (still) run. See the module doc."""
+    done = read_json(Path(run_dir) / DONE_FILE)
+    if done is not None and isinstance(done.get("step"), int) and done["step"] >= train_steps:
+        return done["step"]
+    ckpt = final_checkpoint_step(run_dir)
+    if ckpt is not None and ckpt >= train_steps:
+        return ckpt
+    return None
+
+
+def read_metrics(run_dir: Path) -> List[dict]:
+    rows = []
+    try:
+        text = (Path(run_dir) / METRICS_FILE).read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def last_metrics(run_dir: Path) -> Optional[dict]:
+    rows = read_metrics(run_dir)
+    return rows[-1] if rows else None
+
+
+def reached_step(run_dir: Path) -> Optional[int]:
+    """How far a run got: its last logged step or its newest checkpoint, whichever is later."""
+    row = last_metrics(run_dir)
+    steps = [s for s in ((row or {}).get("step"), final_checkpoint_step(run_dir)) if s is not None]
+    return max(steps) if steps else None
+
+
+def job_dirs_in(sweep_dir: Path) -> List[Path]:
+    """The job directories directly under a sweep dir: those with a job_status.json or metrics."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        return []
+    found = [d for d in sweep_dir.iterdir()
+             if d.is_dir() and ((d / STATUS_FILE).is_file() or (d / METRICS_FILE).is_file())]
+
+    def key(d: Path):
+        num = (read_json(d / STATUS_FILE) or {}).get("job_num")
+        return (num if isinstance(num, int) else 1 << 30, d.name)
+
+    return sorted(found, key=key)
+
+
+# --- the summary -------------------------------------------------------------------------------
+
+COLUMNS = ("job", "overrides", "status", "exit_code", "step", "final_loss", "tokens_per_s_per_gpu",
+           "mfu", "peak_mem_gib", "run_dir")
+
+
+def job_row(jdir: Path) -> dict:
+    jdir = Path(jdir)
+    st = read_json(jdir / STATUS_FILE) or {}
+    last = last_metrics(jdir) or {}
+    overrides = st.get("overrides")
+    if overrides is None:
+        overrides = _overrides_from_disk(jdir)
+    status = st.get("status") or ("unknown" if last else "not_run")
+    steps = st.get("train_steps")
+    step = reached_step(jdir) if jdir.is_dir() else None
+    if status in ("running", "submitted", "written", "unknown") and steps and step is not None and step >= steps:
+        status = "done"  # finished after this record was written (a plugin or SLURM ran it)
+    return {
+        "job": st.get("job_num"),
+        "overrides": list(overrides),
+        "status": status,
+        "exit_code": st.get("exit_code"),
+        "step": step,
+        "train_steps": steps,
+        "final_loss": last.get("loss"),
+        "tokens_per_s_per_gpu": last.get("tokens_per_s_per_gpu"),
+        "mfu": last.get("mfu"),
+        "peak_mem_gib": last.get("peak_mem_gib"),
+        "error": st.get("error"),
+        "run_dir": str(jdir),
+    }
+
+
+def _overrides_from_disk(jdir: Path) -> List[str]:
+    try:
+        from omegaconf import OmegaConf
+
+        return [str(o) for o in OmegaConf.load(str(jdir / "overrides.yaml"))]
+    except Exception:
+        return [p.replace("%2F", "/").replace("%25", "%") for p in jdir.name.split(",")]
+
+
+def _split_override(o: str):
+    key, _, value = o.partition("=")
+    return key.lstrip("+~"), value
+
+
+def varying_overrides(rows: List[dict]) -> tuple[List[str], List[List[str]]]:
+    """(overrides common to every row, per-row overrides that differ between rows)."""
+    if len(rows) < 2:
+        return [], [r["overrides"] for r in rows]
+    maps = [dict(_split_override(o) for o in r["overrides"]) for r in rows]
+    keys = set().union(*maps)
+    common_keys = {k for k in keys if all(m.get(k, None) == maps[0].get(k, None) for m in maps)}
+    common = [o for o in rows[0]["overrides"] if _split_override(o)[0] in common_keys]
+    per_row = [[o for o in r["overrides"] if _split_override(o)[0] not in common_keys] for r in rows]
+    return common, per_row
+
+
+def _fmt(key: str, value) -> str:
+    if value is None:
+        return "n/a" if key == "mfu" else "-"
+    if key == "final_loss":
+        return f"{value:.4f}"
+    if key == "tokens_per_s_per_gpu":
+        return f"{value:,.0f}"
+    if key == "mfu":
+        return f"{100 * value:.1f}%"
+    if key == "peak_mem_gib":
+        return f"{value:.2f}"
+    return str(value)
+
+
+DISPLAY = (("overrides", "overrides"), ("status", "status"), ("step", "step"), ("final_loss", "final loss"),
+           ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("mfu", "MFU"), ("peak_mem_gib", "peak mem GiB"))
+
+
+def _display_rows(rows: List[dict]) -> tuple[List[str], List[List[str]]]:
+    common, per_row = varying_overrides(rows)
+    table = []
+    for r, ovr in zip(rows, per_row):
+        step = "-" if r["step"] is None else (f"{r['step']}/{r['train_steps']}" if r["train_steps"] else str(r["step"]))
+        cells = {"overrides": " ".join(ovr) or "(none)", "step": step}
+        table.append([cells.get(k, _fmt(k, r.get(k))) for k, _ in DISPLAY])
+    return common, table
+
+
+def summarize(job_dirs: Iterable[Path], sweep_dir: Path, console=None) -> List[dict]:
+    """Rows for these job dirs; printed as a table and written to sweep_summary.csv/.md."""
+    rows = [job_row(Path(d)) for d in job_dirs]
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, sweep_dir / SUMMARY_CSV)
+    (sweep_dir / SUMMARY_MD).write_text(to_markdown(rows, sweep_dir))
+    print_table(rows, sweep_dir, console)
+    return rows
+
+
+def write_csv(rows: List[dict], path: Path) -> None:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(COLUMNS)
+    for r in rows:
+        writer.writerow(["" if r.get(c) is None else (" ".join(r[c]) if c == "overrides" else r[c])
+                         for c in COLUMNS])
+    path.write_text(buf.getvalue())
+
+
+def to_markdown(rows: List[dict], sweep_dir: Path) -> str:
+    common, table = _display_rows(rows)
+    lines = [f"# Sweep summary: {sweep_dir}", ""]
+    if common:
+        lines += ["Common overrides: `" + " ".join(common) + "`", ""]
+    lines.append("| " + " | ".join(h for _, h in DISPLAY) + " |")
+    lines.append("|" + "|".join("---" if k in ("overrides", "status") else "---:" for k, _ in DISPLAY) + "|")
+    for cells in table:
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", _counts(rows), ""]
+    return "\n".join(lines)
+
+
+def _counts(rows: List[dict]) -> str:
+    counts: Dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    return f"{len(rows)} job(s): " + ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+def print_table(rows: List[dict], sweep_dir: Path, console=None) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    common, table = _display_rows(rows)
+    t = Table(title=f"sweep summary ({sweep_dir})", box=box.SIMPLE_HEAD)
+    for key, header in DISPLAY:
+        t.add_column(header, justify="left" if key in ("overrides", "status") else "right")
+    styles = {"done": "green", "skipped": "cyan", "failed": "red", "invalid": "red", "stopped": "yellow"}
+    for r, cells in zip(rows, table):
+        t.add_row(*cells, style=styles.get(r["status"]))
+    console.print(t)
+    if common:
+        console.print("common overrides: " + " ".join(common), markup=False)
+    for r in rows:
+        if r["status"] in ("failed", "invalid") and r.get("error"):
+            console.print(f"{r['status']}: {' '.join(r['overrides'])}: {r['error']}", markup=False,
+                          style="red")
+    console.print(_counts(rows) + f"; summary in {sweep_dir / SUMMARY_CSV} and {SUMMARY_MD}", markup=False)

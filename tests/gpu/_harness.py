@@ -1,0 +1,156 @@
+"""Multi-GPU jobs for the GPU tests: one fresh group of processes per job (one per mesh).
+
+A job runs many cases (dicts naming a function of `_jobs.py` and its arguments) in `world`
+processes started as plain subprocesses (RANK/WORLD_SIZE/MASTER_PORT from a free port), so every
+mesh gets fresh NCCL state (Megatron-FSDP "leaves behind corrupted NCCL state"). Each rank appends
+one JSON line per case to its results file; the pytest process merges them and each parametrized
+test asserts on its own case's data. Jobs are cached per pytest session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+RUNNER = HERE / "_runner.py"
+LOG_DIR = Path(os.environ.get("MFSDP_GPU_TEST_LOGS", tempfile.gettempdir())) / "mfsdp_gpu_jobs"
+
+_CACHE: Dict[str, dict] = {}
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def te_available() -> Tuple[bool, str]:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a half-installed TE raises RuntimeError/OSError
+        return False, f"Transformer Engine is not usable here: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+    return True, ""
+
+
+def require_gpus(n: int) -> None:
+    have = gpu_count()
+    if have < n:
+        pytest.skip(f"needs {n} GPUs, {have} present")
+
+
+def require_te() -> None:
+    ok, why = te_available()
+    if not ok:
+        pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """A named set of cases to run in `world` ranks on `mesh` (None: Megatron-FSDP's own mesh)."""
+
+    def __init__(self, name: str, world: int, mesh: Optional[Sequence[int]], timeout: float = 420):
+        self.name = name
+        self.world = int(world)
+        self.mesh = tuple(mesh) if mesh is not None else None
+        self.timeout = timeout
+        self.cases: List[Tuple[str, dict]] = []
+
+    def add(self, case_id: str, fn: str, **args) -> str:
+        self.cases.append((case_id, {"fn": fn, "args": args}))
+        return case_id
+
+
+def run_job(job: Job) -> dict:
+    if job.name in _CACHE:
+        return _CACHE[job.name]
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f"{job.name}-", dir=LOG_DIR))
+    spec = {"name": job.name, "mesh": job.mesh, "cases": job.cases, "tmpdir": str(out / "tmp")}
+    (out / "tmp").mkdir()
+    (out / "spec.json").write_text(json.dumps(spec))
+    port = free_port()
+    env = dict(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(job.world),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "4"))
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    procs = []
+    t0 = time.time()
+    for rank in range(job.world):
+        renv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        log = open(out / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(RUNNER), str(out)], env=renv, cwd=str(ROOT),
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
+    timed_out = False
+    for p, log in procs:
+        remaining = job.timeout - (time.time() - t0)
+        try:
+            p.wait(timeout=max(1.0, remaining))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+        for p, _ in procs:
+            p.wait()
+    for _, log in procs:
+        log.close()
+    codes = [p.returncode for p, _ in procs]
+    results: Dict[str, dict] = {}
+    for rank in range(job.world):
+        path = out / f"results_rank{rank}.jsonl"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            results.setdefault(row["case"], {})[rank] = row
+    tails = {}
+    for rank in range(job.world):
+        text = (out / f"rank{rank}.log").read_text(errors="replace") if (out / f"rank{rank}.log").exists() else ""
+        tails[rank] = "\n".join(text.splitlines()[-40:])
+    res = {"results": results, "codes": codes, "timed_out": timed_out, "dir": str(out), "tails": tails,
+           "seconds": round(time.time() - t0, 1), "world": job.world}
+    print(f"[gpu job {job.name}] world={job.world} mesh={job.mesh} cases={len(job.cases)} "
+          f"codes={codes} timed_out={timed_out} {res['seconds']} s logs={out}", flush=True)
+    _CACHE[job.name] = res
+    return res
+
+
+def case(job: Job, case_id: str) -> List[dict]:
+    """Per-rank data of one case; skips/fails the calling test as the case did."""
+    res = run_job(job)
+    rows = res["results"].get(case_id)
+    if not rows or len(rows) < job.world:
+        why = "timed out" if res["timed_out"] else f"exit codes {res['codes']}"
+        have = sorted(rows) if rows else []
+        pytest.fail(f"case {case_id} did not finish on every rank (ranks with a result: {have}; job {why}; "
+                    f"logs {res['dir']})\n" + "\n".join(f"--- rank {r} ---\n{t}" for r, t in res["tails"].items()))
+    errors = [(r, row) for r, row in sorted(rows.items()) if row["status"] == "error"]
+    if errors:
+        pytest.fail("\n".join(f"rank {r}: {row['error']}" for r, row in errors))
+    if rows[0]["status"] == "skip":
+        pytest.skip(rows[0]["reason"])
+    return [rows[r]["data"] for r in range(job.world)]

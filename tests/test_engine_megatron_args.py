@@ -1,0 +1,177 @@
+"""The Megatron-FSDP engine's pure argument mapping (no CUDA, no process group)."""
+
+import pytest
+import torch
+
+from mfsdp_launch.engines.megatron import (
+    MegatronFSDPEngine,
+    make_capturable,
+    plan_megatron_fsdp,
+    reset_step_counters,
+    unwrap,
+)
+from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.mesh import ParallelDims
+from mfsdp_launch.schema import EngineConfig, MeshConfig, PrecisionConfig, ShardingConfig
+
+
+def dims(dp_outer=1, dp_shard=-1, cp=1, tp=1, world=2):
+    return ParallelDims.from_config(MeshConfig(dp_outer=dp_outer, dp_shard=dp_shard, cp=cp, tp=tp), world)
+
+
+def plan(d=None, zero=3, outer="no_shard", precision=None, engine=None, **kw):
+    return plan_megatron_fsdp(d or dims(), ShardingConfig(zero_dp_strategy=zero, outer_dp_sharding_strategy=outer),
+                              precision or PrecisionConfig(), engine or EngineConfig(name="megatron_fsdp"), **kw)
+
+
+def test_plain_fsdp_dims_and_groups():
+    p = plan(dims(dp_shard=2))
+    assert (p.use_mesh, p.dp_shard_dim, p.dp_outer_dim, p.tp_dim) == (True, "dp_shard", None, "tp")
+    assert p.hybrid_fsdp_group_dim is None
+    assert p.zero_dp_strategy == "optim_grads_params" and p.outer_dp_sharding_strategy == "no_shard"
+    assert p.grad_norm_group == "fsdp" and p.checkpoint_format == "dtensor"
+
+
+def test_tp_dim_always_passed_even_of_size_one():
+    assert plan(dims(dp_shard=2, tp=1)).tp_dim == "tp"
+    assert plan(dims(dp_shard=1, tp=2)).tp_dim == "tp"
+
+
+def test_cp_shards_over_flattened_dp_shard_cp():
+    p = plan(dims(dp_shard=1, cp=2))
+    assert p.dp_shard_dim == "dp_shard_cp"
+    p8 = plan(dims(dp_outer=2, dp_shard=2, cp=2, world=8))
+    assert (p8.dp_shard_dim, p8.dp_outer_dim, p8.hybrid_fsdp_group_dim) == ("dp_shard_cp", "dp_outer", "hsdp")
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim", 0, 1])
+def test_hsdp_and_hfsdp_pass_outer_dim_and_hybrid_group(outer):
+    p = plan(dims(dp_outer=2, dp_shard=1), zero=3, outer=outer)
+    assert p.dp_outer_dim == "dp_outer" and p.hybrid_fsdp_group_dim == "hsdp"
+    name = outer if isinstance(outer, str) else ("no_shard", "optim")[outer]
+    assert p.outer_dp_sharding_strategy == name
+    assert p.grad_norm_group == ("hybrid" if name == "optim" else "fsdp")
+
+
+def test_dp_outer_one_means_plain_fsdp():
+    p = plan(dims(dp_outer=1, dp_shard=2), outer="no_shard")
+    assert p.dp_outer_dim is None and p.hybrid_fsdp_group_dim is None
+
+
+@pytest.mark.parametrize("zero,name,norm,fmt", [
+    (0, "no_shard", "none", "replicated"),
+    (1, "optim", "fsdp", "dtensor"),
+    (2, "optim_grads", "fsdp", "dtensor"),
+    (3, "optim_grads_params", "fsdp", "dtensor"),
+    ("optim_grads", "optim_grads", "fsdp", "dtensor"),
+    ("2", "optim_grads", "fsdp", "dtensor"),
+])
+def test_zero_strategies(zero, name, norm, fmt):
+    p = plan(zero=zero)
+    assert (p.zero_dp_strategy, p.grad_norm_group, p.checkpoint_format) == (name, norm, fmt)
+
+
+def test_hfsdp_needs_zero3_and_dp_outer():
+    with pytest.raises(ConfigError, match="optim_grads_params"):
+        plan(dims(dp_outer=2, dp_shard=1), zero=2, outer="optim")
+    with pytest.raises(ConfigError, match="dp_outer=1"):
+        plan(dims(dp_shard=2), zero=3, outer="optim")
+
+
+def test_meta_init_refused_with_no_shard():
+    with pytest.raises(ConfigError) as e:
+        plan(zero=0, init_on_meta=True)
+    assert e.value.key == "model.init_on_meta"
+    assert plan(zero=3, init_on_meta=True).init_model_with_meta_device
+
+
+def test_bad_strategy_names():
+    with pytest.raises(ConfigError):
+        plan(zero="zero3")
+    with pytest.raises(ConfigError):
+        plan(zero=4)
+    with pytest.raises(ConfigError):
+        plan(outer="optim_grads")
+
+
+def test_no_mesh_path():
+    p = plan(dims(dp_shard=2), mesh_enabled=False)
+    assert not p.use_mesh
+    assert (p.dp_shard_dim, p.dp_outer_dim, p.tp_dim, p.hybrid_fsdp_group_dim) == (None, None, None, None)
+    with pytest.raises(ConfigError) as e:
+        plan(dims(dp_outer=2, dp_shard=1), mesh_enabled=False)
+    assert e.value.key == "mesh.enabled"
+
+
+def test_precision_policy_dtypes():
+    p = plan(precision=PrecisionConfig(compute_dtype="bf16", main_params_dtype="fp32", main_grads_dtype="fp32",
+                                       grad_comm_dtype="bf16"))
+    assert (p.compute_dtype, p.main_params_dtype, p.main_grads_dtype, p.grad_comm_dtype) == ("bf16", "fp32", "fp32", "bf16")
+    p = plan(precision=PrecisionConfig(compute_dtype=None, main_params_dtype=None, main_grads_dtype=None))
+    assert (p.compute_dtype, p.main_params_dtype, p.main_grads_dtype) == ("fp32", None, None)
+    p = plan(precision=PrecisionConfig(compute_dtype="fp32", main_params_dtype="fp64", main_grads_dtype="fp32"))
+    assert (p.main_params_dtype, p.main_grads_dtype) == ("fp64", "fp32")
+    with pytest.raises(ConfigError):
+        plan(precision=PrecisionConfig(compute_dtype="int8"))
+
+
+def test_engine_switches_pass_through():
+    e = EngineConfig(name="megatron_fsdp", report_nan_in_param_grad=True, keep_fp8_transpose_cache=True,
+                     use_decoupled_grad=True, sync_every_microbatch=True)
+    p = plan(engine=e, cuda_graph=True)
+    assert p.report_nan_in_param_grad and p.keep_fp8_transpose_cache and p.use_decoupled_grad
+    assert p.sync_model_each_microbatch and p.cuda_graph_mode
+    d = plan().as_dict()
+    assert not any(d[k] for k in ("report_nan_in_param_grad", "keep_fp8_transpose_cache", "use_decoupled_grad",
+                                  "sync_model_each_microbatch", "cuda_graph_mode", "init_model_with_meta_device"))
+
+
+def test_engine_make_plan_uses_mesh_presence():
+    kw = dict(engine_cfg=EngineConfig(name="megatron_fsdp"), sharding_cfg=ShardingConfig(),
+              precision_cfg=PrecisionConfig(), dims=dims(dp_shard=2), device=torch.device("cpu"))
+    assert not MegatronFSDPEngine(mesh=None, **kw).make_plan(False).use_mesh
+    assert MegatronFSDPEngine(mesh=object(), cuda_graph=True, **kw).make_plan(True).cuda_graph_mode
+
+
+def test_zero3_without_unit_modules_is_a_config_error():
+    class Spec:
+        unit_modules = (torch.nn.Conv2d,)
+
+    eng = MegatronFSDPEngine(engine_cfg=EngineConfig(name="megatron_fsdp"), sharding_cfg=ShardingConfig(),
+                             precision_cfg=PrecisionConfig(), dims=dims(dp_shard=2), mesh=None,
+                             device=torch.device("cpu"))
+    try:
+        import megatron_fsdp  # noqa: F401
+    except Exception:  # noqa: BLE001
+        pytest.skip("megatron_fsdp not importable here")
+    with pytest.raises(ConfigError) as e:
+        eng.shard(torch.nn.Sequential(torch.nn.Linear(2, 2)), Spec(), init_on_meta=False)
+    assert e.value.key == "model.fsdp_unit_modules"
+
+
+def test_step_counters_reset_after_synthetic_step():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([{"params": [w], "weight_decay": 0.1}], lr=0.1)
+    w.grad = torch.zeros(3)
+    opt.step()
+    assert opt.state[w]["step"].item() == 1
+    opt.param_groups[0]["step"] = 5  # TE FusedAdam keeps its count per group
+    reset_step_counters(opt)
+    assert opt.state[w]["step"].item() == 0 and opt.param_groups[0]["step"] == 0
+
+
+def test_make_capturable_refuses_torch_adamw():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
+    with pytest.raises(ConfigError):
+        make_capturable(opt, torch.device("cpu"))
+
+
+def test_unwrap_compiled():
+    m = torch.nn.Linear(1, 1)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    assert unwrap(Wrapper(m)) is m and unwrap(m) is m
