@@ -54,7 +54,9 @@ Decisions (the issue left these to us):
   used by the training thread). While a save is in flight every ``maybe_save`` call polls it with
   one tiny all_gather on the checkpoint group, so all ranks commit in the same call; the next save
   and ``wait()`` block until it is done. Final and forced saves are committed before
-  ``maybe_save`` returns. ``maybe_save`` and ``wait`` must be called by every rank, in the same
+  ``maybe_save`` returns. On torch >= 2.13 one stager is kept for the run, so its CPU staging
+  buffers (pinned under CUDA) are refilled at each save instead of allocated again (it holds one
+  copy of this rank's state in host memory); older torch uses torch's default staging. ``maybe_save`` and ``wait`` must be called by every rank, in the same
   order, with the same arguments.
 
 Everything the launcher needs (``preflight``, finding, validating and pruning checkpoints) is pure
@@ -88,9 +90,7 @@ TMP_SUFFIX = ".tmp"
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
-# Model fields whose change makes the saved tensors unloadable. `shape` holds the resolved dims.
-MODEL_REFUSED = ("name", "shape", "freeze")
-MODEL_REFUSED_WEIGHTS_ONLY = ("name", "shape")
+# Model config fields that decide the saved tensors' shapes (compared when dims can't be resolved).
 _SHAPE_CONFIG_KEYS = ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                       "tie_embeddings", "output_dim")
 
@@ -364,20 +364,20 @@ def mesh_section(cfg, world_size: Optional[int] = None) -> dict:
 
 
 def collect_versions() -> dict:
-    """Installed versions of the stack, read from package metadata (does not import torch)."""
+    """Installed versions of the stack, from package metadata (does not import torch); the keys are
+    the distribution names, None when not installed."""
     from importlib import metadata
 
     from . import __version__
 
-    out = {"mfsdp_launch": __version__}
-    for key, dists in (("torch", ("torch",)), ("megatron_fsdp", ("megatron-fsdp", "megatron_fsdp")),
-                       ("transformer_engine", ("transformer-engine", "transformer_engine"))):
-        for d in dists:
-            try:
-                out[key] = metadata.version(d)
-                break
-            except metadata.PackageNotFoundError:
-                continue
+    out = {}
+    for pkg in ("torch", "megatron-fsdp", "transformer-engine", "mfsdp-launch"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    if out["mfsdp-launch"] is None:
+        out["mfsdp-launch"] = __version__ + "+src"
     return out
 
 
@@ -406,28 +406,40 @@ def manifest_info_from_config(cfg, *, world_size: Optional[int] = None,
     }
 
 
+def _shape_of(section: dict) -> Optional[dict]:
+    """Resolved dims of a manifest's model section: its `shape`, or resolved from its config
+    fields (a section written as the raw model config)."""
+    if isinstance(section.get("shape"), dict):
+        return section["shape"]
+    from .schema import ModelConfig
+
+    base = ModelConfig()
+    for k, v in section.items():
+        if hasattr(base, k):
+            setattr(base, k, v)
+    return model_section(base)["shape"]
+
+
 def incompatibilities(current: dict, manifest: dict, *, weights_only: bool) -> List[Tuple[str, Any, Any]]:
     """(key, value now, value in the checkpoint) for each change that cannot resume."""
     out: List[Tuple[str, Any, Any]] = []
     cur_m, old_m = current.get("model") or {}, manifest.get("model") or {}
-    keys = MODEL_REFUSED_WEIGHTS_ONLY if weights_only else MODEL_REFUSED
-    for k in keys:
-        if k not in cur_m or k not in old_m:
-            continue
-        if k == "shape":
-            cs, os_ = cur_m.get("shape"), old_m.get("shape")
+    if cur_m and old_m:
+        if "name" in cur_m and "name" in old_m and cur_m["name"] != old_m["name"]:
+            out.append(("model.name", cur_m["name"], old_m["name"]))
+        else:
+            cs, os_ = _shape_of(cur_m), _shape_of(old_m)
             if isinstance(cs, dict) and isinstance(os_, dict):
                 for sk in sorted(set(cs) | set(os_)):
                     if cs.get(sk) != os_.get(sk):
                         out.append((f"model.{sk}", cs.get(sk), os_.get(sk)))
-                continue
-            # No resolved dims on one side: compare the config fields instead.
-            for sk in _SHAPE_CONFIG_KEYS:
-                if sk in cur_m and sk in old_m and cur_m[sk] != old_m[sk]:
-                    out.append((f"model.{sk}", cur_m[sk], old_m[sk]))
-            continue
-        if _norm(cur_m[k]) != _norm(old_m[k]):
-            out.append((f"model.{k}", cur_m[k], old_m[k]))
+            else:  # unresolvable on one side: compare the config fields
+                for sk in _SHAPE_CONFIG_KEYS:
+                    if sk in cur_m and sk in old_m and cur_m[sk] != old_m[sk]:
+                        out.append((f"model.{sk}", cur_m[sk], old_m[sk]))
+        if not weights_only and "freeze" in cur_m and "freeze" in old_m \
+                and _norm(cur_m["freeze"] or []) != _norm(old_m["freeze"] or []):
+            out.append(("model.freeze", cur_m["freeze"], old_m["freeze"]))
     if not weights_only:
         ce, oe = (current.get("engine") or {}).get("name"), (manifest.get("engine") or {}).get("name")
         if ce and oe and ce != oe:
@@ -459,12 +471,19 @@ def config_changes(current: dict, manifest: dict, *, limit: int = 12) -> List[st
     """Human-readable allowed differences (config keys, world size, versions) vs a manifest."""
     changes = []
     cur_cfg, old_cfg = current.get("config"), manifest.get("config")
-    if isinstance(cur_cfg, dict) and isinstance(old_cfg, dict) \
-            and current.get("config_hash") != manifest.get("config_hash"):
+    if isinstance(cur_cfg, dict) and isinstance(old_cfg, dict):
         a, b = _flatten(old_cfg), _flatten(cur_cfg)
         for k in sorted(set(a) | set(b)):
             if _norm(a.get(k)) != _norm(b.get(k)):
                 changes.append(f"{k} {a.get(k)!r} -> {b.get(k)!r}")
+    elif not (isinstance(cur_cfg, dict) and isinstance(old_cfg, dict)):
+        # No full configs recorded: the mesh and engine sections still show what changed.
+        for section in ("mesh", "engine"):
+            a = {k: v for k, v in (manifest.get(section) or {}).items() if k != "world_size"}
+            b = {k: v for k, v in (current.get(section) or {}).items() if k != "world_size"}
+            for k in sorted(set(a) & set(b)):
+                if _norm(a[k]) != _norm(b[k]):
+                    changes.append(f"{section}.{k} {a[k]!r} -> {b[k]!r}")
     old_ws = manifest.get("world_size", (manifest.get("mesh") or {}).get("world_size"))
     new_ws = (current.get("mesh") or {}).get("world_size")
     if old_ws is not None and new_ws is not None and old_ws != new_ws:
@@ -933,8 +952,18 @@ class CheckpointManager:
             self._commit(pending)  # raises
         try:
             if use_async:
-                resp = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_pg,
-                                      async_stager=self._stager())
+                stager = self._stager()
+                try:
+                    resp = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_pg,
+                                          async_stager=stager)
+                except Exception as exc:
+                    if stager is None:
+                        raise
+                    # Staging happens before the writer starts: retry with torch's own staging.
+                    self._staging = False
+                    print(f"checkpoint: warning: reusable staging buffers failed ({type(exc).__name__}: "
+                          f"{exc}); using torch's default staging", file=sys.stderr, flush=True)
+                    resp = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_pg)
                 future = getattr(resp, "upload_completion", resp)
                 pending["future"], pending["async"] = future, True
                 future.add_done_callback(lambda _f, p=pending: p.__setitem__("done_at", time.perf_counter()))
@@ -951,12 +980,16 @@ class CheckpointManager:
         (pinned when CUDA is up), instead of allocating the whole state again every time."""
         if self._staging is None:
             import torch
+
+            if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 13):
+                self._staging = False  # tested on torch 2.13; torch 2.11's stager failed on reuse
+                return None
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
             self._staging = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                          use_async_staging=False, use_non_blocking_copy=cuda))
-        return self._staging
+        return self._staging or None
 
     def _poll(self) -> None:
         p = self._pending
@@ -1094,14 +1127,14 @@ class CheckpointManager:
 
     def _versions(self) -> dict:
         v = dict(self.info.get("versions") or {})
-        if "torch" not in v:
+        if not v.get("torch"):
             import torch
 
             v["torch"] = torch.__version__
-        if "mfsdp_launch" not in v:
+        if not (v.get("mfsdp-launch") or v.get("mfsdp_launch")):
             from . import __version__
 
-            v["mfsdp_launch"] = __version__
+            v["mfsdp-launch"] = __version__
         return v
 
     def _remove_superseded(self, step: int) -> None:

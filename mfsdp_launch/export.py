@@ -16,9 +16,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("fp32", "bf16", "fp16", "as_saved")
 FORMATS = ("safetensors", "torch")
@@ -30,7 +33,7 @@ def _have_safetensors() -> bool:
     return importlib.util.find_spec("safetensors") is not None
 
 
-def read_model_state(ckpt: str | os.PathLike) -> tuple[Dict[str, "torch.Tensor"], "object"]:
+def read_model_state(ckpt: str | os.PathLike) -> tuple[Dict[str, "torch.Tensor"], object]:
     """The unwrapped model tensors of a committed checkpoint, and its Found record."""
     import torch
     import torch.distributed.checkpoint as dcp

@@ -8,13 +8,20 @@ from typing import Optional
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+
+
 def torch_dtype(name: Optional[str]):
-    """Map a config dtype name to a torch dtype; None stays None."""
+    """Map a config dtype name ('bf16', or torch's 'bfloat16') to a torch dtype; None stays None."""
     if name is None:
         return None
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[name]
+    key = str(name).lower()
+    key = _TORCH_NAMES.get(key, key)
+    if key not in _TORCH_NAMES.values():
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(_TORCH_NAMES)}")
+    return getattr(torch, key)
 
 
 def fp8_min_capability(recipe: str):

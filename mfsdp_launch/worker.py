@@ -7,8 +7,6 @@ Started by torchrun as `python -m mfsdp_launch.worker --config RUN_DIR/config.ya
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import random
 import sys
@@ -106,37 +104,12 @@ def _init_distributed(engine_cfg, local_rank: int):
     return device, control
 
 
-def config_hash(cfg) -> str:
-    from omegaconf import OmegaConf
-
-    text = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, ["model", "engine", "sharding", "precision", "fp8"]))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("torch", "megatron-fsdp", "transformer-engine", "mfsdp-launch"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    if out["mfsdp-launch"] is None:
-        from . import __version__
-
-        out["mfsdp-launch"] = __version__ + "+src"
-    return out
-
-
 def _train(cfg) -> int:
     import numpy as np
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
-
     from . import precision
-    from .checkpoint import CheckpointManager
+    from .checkpoint import CheckpointManager, manifest_info_from_config
     from .engines import get_engine
     from .engines.base import apply_freeze
     from .launch import STOP_FILE
@@ -174,14 +147,7 @@ def _train(cfg) -> int:
     optimizer = engine.wrap_optimizer(model, optimizer)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()
 
-    manifest_info = {
-        "config_hash": config_hash(cfg),
-        "model": OmegaConf.to_container(cfg.model),
-        "mesh": {**OmegaConf.to_container(cfg.mesh), "world_size": world_size},
-        "engine": {"name": cfg.engine.name, **OmegaConf.to_container(cfg.sharding)},
-        "versions": _versions(),
-        "seed": seed,
-    }
+    manifest_info = manifest_info_from_config(cfg, world_size=world_size)
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir, manifest_info=manifest_info, rank=rank,
                                     world_size=world_size, engine=engine, process_group=control)
     state = TrainState()

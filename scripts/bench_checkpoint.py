@@ -22,13 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _child(rank: int, world: int, port: int, workdir: Path, preset: str) -> None:
+def _child(rank: int, world: int, port: int, workdir: Path, preset: str, device_type: str) -> None:
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
-
     sys.path.insert(0, str(ROOT))
     from mfsdp_launch.checkpoint import CheckpointManager, manifest_info_from_config
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
@@ -36,35 +34,43 @@ def _child(rank: int, world: int, port: int, workdir: Path, preset: str) -> None
     from mfsdp_launch.models import build_model_spec
     from mfsdp_launch.schema import CheckpointConfig, Config, EngineConfig, PrecisionConfig, ShardingConfig
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
-    cfg = OmegaConf.structured(Config)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    cfg = Config()
     cfg.model.preset = preset
     cfg.run.dir = str(workdir)
     info = manifest_info_from_config(cfg, world_size=world)
     dims = ParallelDims(1, world, 1, 1)
-    mesh = dims.build("cpu")
+    mesh = dims.build(device_type)
 
     def build(seed):
         torch.manual_seed(seed)
         spec = build_model_spec(cfg.model, 32)
-        model = spec.build()
+        with device:
+            model = spec.build()
         engine = FSDP2Engine(engine_cfg=EngineConfig(), sharding_cfg=ShardingConfig(zero_dp_strategy="optim_grads_params"),
                              precision_cfg=PrecisionConfig(compute_dtype="fp32"), dims=dims, mesh=mesh,
-                             device=torch.device("cpu"))
+                             device=device)
         model = engine.shard(model, spec, init_on_meta=False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         return spec, engine, model, opt
 
     spec, engine, model, opt = build(0)
     n_params = spec.num_params
-    ids = torch.randint(0, 32000, (1, 33))
+    from mfsdp_launch.models.sizes import resolve_gpt_dims
+
+    ids = torch.randint(0, resolve_gpt_dims(cfg.model).vocab_size, (1, 33), device=device)
     loss = spec.loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
     loss.backward()
     opt.step()
     opt.zero_grad()
     pg = dist.new_group(backend="gloo")
-    res = {"world": world, "params": n_params}
+    res = {"world": world, "params": n_params, "device": device_type, "torch": torch.__version__}
 
     def manager(**ck):
         return CheckpointManager(CheckpointConfig(keep_last=10, **ck), workdir, manifest_info=info, rank=rank,
@@ -107,8 +113,10 @@ def main() -> None:
     ap.add_argument("--world", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--preset", default="125m")
     ap.add_argument("--dir", default="/tmp/bench_ckpt")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
     for world in args.world:
+        print(f"world {world} ({args.device}) ...", file=sys.stderr, flush=True)
         workdir = Path(args.dir) / f"w{world}"
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
@@ -118,7 +126,7 @@ def main() -> None:
         threads = max(1, (os.cpu_count() or 1) // world)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
         procs = [subprocess.Popen([sys.executable, __file__, "--child", str(r), str(world), str(port), str(workdir),
-                                   args.preset], env=env) for r in range(world)]
+                                   args.preset, args.device], env=env) for r in range(world)]
         codes = [p.wait() for p in procs]
         if any(codes):
             sys.exit(f"world {world}: children exited {codes}")
@@ -130,6 +138,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]), sys.argv[6])
+        _child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]), sys.argv[6], sys.argv[7])
     else:
         main()

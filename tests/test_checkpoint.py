@@ -326,3 +326,25 @@ def test_fallback_seed_is_deterministic_and_distinct():
     assert C.fallback_seed(1234, 3, 100) == C.fallback_seed(1234, 3, 100)
     assert len({C.fallback_seed(1234, r, 100) for r in range(8)}) == 8
     assert 0 <= C.fallback_seed(1, 2, 3) < 2**63
+
+
+def test_preflight_with_raw_model_config_in_manifest(tmp_path):
+    """A manifest whose model section is the raw model config (no resolved `shape`)."""
+    old = make_cfg(tmp_path)
+    manifest = {"model": OmegaConf.to_container(old.model), "engine": {"name": "fsdp2"},
+                "mesh": {"world_size": 2}}
+    make_ckpt(tmp_path / "checkpoints", 9, manifest=manifest)
+    C.preflight(make_cfg(tmp_path, **{"model.dim": 64, "optim.lr": 0.1}))  # same resolved shape
+    with pytest.raises(ConfigError) as e:
+        C.preflight(make_cfg(tmp_path, **{"model.n_layers": 3}))
+    assert e.value.key == "model.n_layers" and "3 here but 2 in" in str(e.value)
+
+
+def test_config_changes_without_full_configs():
+    old = {"mesh": {"dp_shard": 2, "world_size": 2}, "engine": {"name": "fsdp2", "zero_dp_strategy": 3},
+           "world_size": 2, "versions": {"torch": "2.11.0"}}
+    new = {"mesh": {"dp_shard": 1, "world_size": 1}, "engine": {"name": "fsdp2", "zero_dp_strategy": 2},
+           "versions": {"torch": "2.13.0"}}
+    assert C.config_changes(new, old) == [
+        "mesh.dp_shard 2 -> 1", "engine.zero_dp_strategy 3 -> 2",
+        "world size 2 -> 1 (DCP reshards model and optimizer)", "torch 2.11.0 -> 2.13.0"]

@@ -380,9 +380,10 @@ if __name__ != "__main__":
 
     def test_export_matches_unwrapped_state_dict(main_run, tmp_path, capsys):
         import torch
-        from safetensors.torch import load_file
 
         from mfsdp_launch.export import main as export_main
+
+        load_file = pytest.importorskip("safetensors.torch").load_file
 
         workdir, _ = main_run
         ref = torch.load(workdir / "full6.pt", weights_only=True)["model"]
@@ -509,8 +510,6 @@ if __name__ != "__main__":
         assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_2"
 
     def test_weights_only_load_across_key_prefixes(tmp_path, capsys):
-        import torch
-
         src, opt, sched, ts, mgr = _plain_setup(tmp_path / "pre", wrap=True, interval=0)
         mgr.resume(src, opt, sched, ts)
         _steps(src, opt, sched, ts, mgr, [5], final=True)

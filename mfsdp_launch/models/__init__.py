@@ -67,24 +67,11 @@ class ModelSpec:
     dtype_input: Optional["torch.dtype"] = None  # toys' input dtype (TE toy: params dtype)
 
 
-_DTYPES = {
-    "fp32": "float32", "float32": "float32",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16",
-    "fp64": "float64", "float64": "float64",
-}
-
-
 def parse_dtype(name: Optional[str]) -> Optional["torch.dtype"]:
-    """'bf16' / 'bfloat16' / ... -> torch dtype; None stays None."""
-    if name is None:
-        return None
-    import torch
+    """Config dtype name -> torch dtype (one mapping, in precision.py); None stays None."""
+    from ..precision import torch_dtype
 
-    key = str(name).lower()
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(sorted(_DTYPES))}")
-    return getattr(torch, _DTYPES[key])
+    return torch_dtype(name)
 
 
 def resolve_unit_modules(names: Sequence[str]) -> tuple:
