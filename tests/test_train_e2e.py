@@ -79,9 +79,30 @@ def test_toy_models_train_like_the_seed(tmp_path):
 
 
 def test_frozen_parameters_do_not_move(tmp_path):
-    out = train(tmp_path / "frozen", "launcher.nproc_per_node=2", "train.micro_batch_size=4",
-                "model.freeze=[tok_emb.*]", "checkpoint.save_final=true")
+    """Frozen embeddings equal their seeded init after training; the rest moved."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import ROOT
+    from mfsdp_launch.compose import load_frozen
+    from mfsdp_launch.models import build_model_spec
+
+    run_dir = tmp_path / "frozen"
+    out = train(run_dir, "launcher.nproc_per_node=2", "train.micro_batch_size=4", "model.freeze=[tok_emb.*]",
+                "checkpoint.save_final=true")
     assert "frozen" in out.stdout
+    export = subprocess.run([sys.executable, "-m", "mfsdp_launch.export", str(run_dir), str(tmp_path / "w.pt"),
+                             "--format", "torch"], capture_output=True, text=True, cwd=ROOT)
+    assert export.returncode == 0, export.stderr
+    trained = torch.load(tmp_path / "w.pt")
+    cfg = load_frozen(run_dir / "config.yaml")
+    torch.manual_seed(cfg.train.seed)  # the worker seeds like this before building
+    initial = build_model_spec(cfg.model, cfg.train.seq_len).build().state_dict()
+    assert torch.equal(trained["tok_emb.weight"], initial["tok_emb.weight"])
+    moved = [k for k in initial if not k.startswith("tok_emb") and not torch.equal(trained[k], initial[k])]
+    assert moved, "nothing trained"
 
 
 def test_cpu_smoke_recipe_learns(tmp_path):
