@@ -13,6 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -21,7 +24,9 @@ def free_port() -> int:
 
 def cli(*args: str, cwd=None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
     """Run `python -m mfsdp_launch ARGS` the way a user would, capturing its output."""
-    full_env = dict(os.environ)
+    # A user's shell is not inside a job: drop any rank/rendezvous variables the test process has.
+    full_env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and not k.startswith("SLURM_")
+                and not k.startswith("TORCHELASTIC_")}
     full_env.setdefault("MFSDP_CACHE_DIR", str(ROOT / ".pytest_cache" / "tokens"))
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     if env:
