@@ -778,7 +778,9 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
 
         path = plan.found.path
-        fresh_hparams = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+        # Hyper-parameters come from the config; counters ("step": TE FusedAdam keeps Adam's step
+        # count in the param group) come from the checkpoint.
+        fresh_hparams = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr", "step")}
                          for g in optimizer.param_groups] if optimizer is not None else []
         state = self.engine.state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=str(path), process_group=self.pg)

@@ -223,6 +223,9 @@ def _check_model(cfg, dims: ParallelDims) -> None:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.cp={dims.cp}")
     if m.params_dtype is not None:
         _one_of("model.params_dtype", m.params_dtype, S.DTYPES)
+    elif name in TE_MODELS:
+        # TE layers compute in their parameters' dtype (and FP8 weights keep it as the high-precision copy).
+        m.params_dtype = cfg.precision.compute_dtype
     for pattern in m.freeze:
         if not pattern:
             raise ConfigError("model.freeze", "empty pattern", "parameter-name globs")

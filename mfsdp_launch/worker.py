@@ -141,6 +141,8 @@ def _train(cfg) -> int:
 
     engine = get_engine(cfg.engine.name, engine_cfg=cfg.engine, sharding_cfg=cfg.sharding,
                         precision_cfg=cfg.precision, dims=dims, mesh=mesh, device=device)
+    if cfg.train.cuda_graph == "full_iteration":
+        engine.cuda_graph_mode = True  # validation allows this with megatron_fsdp only
     model = engine.shard(model, spec, init_on_meta=cfg.model.init_on_meta)
     forward_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.optim, fused_ok=device.type == "cuda")
@@ -181,6 +183,12 @@ def _train(cfg) -> int:
         world_size=world_size, dp_size=dims.dp_size, rank=rank, peak_tflops=peak, metrics=metrics,
         checkpoints=checkpoints, stop_requested=stop_requested,
     )
+    if cfg.train.cuda_graph == "full_iteration":
+        from .cuda_graph import FullIterationCudaGraph
+
+        ctx.step_fn = FullIterationCudaGraph(forward_model, spec.loss, optimizer, next_batch,
+                                             forward_context=ctx.forward_context, start_step=state.step,
+                                             process_group=control)
     try:
         train(forward_model, cfg.train, state, ctx)
         checkpoints.wait()

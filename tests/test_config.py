@@ -37,7 +37,7 @@ def test_hfsdp_fp8_recipe_contents():
     assert (cfg.mesh.dp_outer, cfg.mesh.dp_shard) == (2, 4)
     assert cfg.sharding.outer_dp_sharding_strategy == "optim"
     assert cfg.sharding.zero_dp_strategy == "optim_grads_params"
-    assert cfg.fp8.recipe == "current" and cfg.model.name == "te_gpt"
+    assert cfg.fp8.recipe == "current" and cfg.model.name == "te_gpt" and not cfg.fp8.params
     assert cfg.engine.name == "megatron_fsdp"
 
 

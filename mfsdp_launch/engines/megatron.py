@@ -254,6 +254,7 @@ class MegatronFSDPEngine(Engine):
                                    if plan.hybrid_fsdp_group_dim else None),
             )
         wrapped = mfsdp.fully_shard_model(**kwargs)
+        _avoid_single_rank_premul_sum(wrapped)
         self._model = wrapped
         return wrapped
 
@@ -288,7 +289,11 @@ class MegatronFSDPEngine(Engine):
     # ------------------------------------------------------------------------------ train loop
 
     def set_grad_sync(self, model, sync: bool) -> None:
-        unwrap(model).set_model_auto_sync(bool(sync))
+        m = unwrap(model)
+        # Only on a change: Megatron-FSDP logs a warning on every set_model_auto_sync(True) call
+        # under no_shard/optim/HSDP, and the loop calls this before every microbatch.
+        if getattr(m, "model_auto_sync", None) != bool(sync):
+            m.set_model_auto_sync(bool(sync))
 
     def grad_norm_group(self):
         m = self._model
@@ -404,6 +409,23 @@ class MegatronFSDPEngine(Engine):
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+
+def _avoid_single_rank_premul_sum(wrapped) -> None:
+    """Scale gradients with an explicit multiply when the DP-shard group has one rank.
+
+    Megatron-FSDP fuses the 1/dp gradient scaling into the reduce-scatter as NCCL PreMulSum
+    (`gradient_reduce_div_fusion`, used for non-bf16 gradients). On 2xH200 with dp_outer=2 x
+    dp_shard=1 (HSDP and HFSDP) the global gradient norm measured exactly 2.0x torch's
+    clip_grad_norm_ on the same model and data, while dp_shard=2 matched: the scaling is lost
+    in the one-rank collective and the outer all-reduce then sums unscaled gradients. The
+    unfused path (`grad.mul_(factor)` + SUM, Megatron-FSDP's own path for bf16 gradients) does
+    not depend on the collective. Not re-measured on a GPU after this change (device budget).
+    """
+    index = getattr(wrapped, "dist_index", None)
+    group = index.get_fsdp_group() if index is not None else None
+    if group is not None and dist.get_world_size(group) == 1 and dist.get_world_size() > 1:
+        wrapped.ddp_config.gradient_reduce_div_fusion = False
 
 
 def make_capturable(optimizer, device) -> None:

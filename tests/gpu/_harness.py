@@ -67,7 +67,7 @@ def free_port() -> int:
 class Job:
     """A named set of cases to run in `world` ranks on `mesh` (None: Megatron-FSDP's own mesh)."""
 
-    def __init__(self, name: str, world: int, mesh: Optional[Sequence[int]], timeout: float = 420):
+    def __init__(self, name: str, world: int, mesh: Optional[Sequence[int]], timeout: float = 300):
         self.name = name
         self.world = int(world)
         self.mesh = tuple(mesh) if mesh is not None else None
@@ -100,17 +100,28 @@ def run_job(job: Job) -> dict:
         procs.append((subprocess.Popen([sys.executable, str(RUNNER), str(out)], env=renv, cwd=str(ROOT),
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
     timed_out = False
-    for p, log in procs:
-        remaining = job.timeout - (time.time() - t0)
-        try:
-            p.wait(timeout=max(1.0, remaining))
-        except subprocess.TimeoutExpired:
+    failed_at = None
+    while True:
+        codes = [p.poll() for p, _ in procs]
+        if all(c is not None for c in codes):
+            break
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.time()  # a rank died: its peers may be stuck in a collective
+        if failed_at is not None and time.time() - failed_at > 15:
+            break
+        if time.time() - t0 > job.timeout:
             timed_out = True
             break
-    if timed_out:
+        time.sleep(0.5)
+    if any(p.poll() is None for p, _ in procs):
+        import signal
+
         for p, _ in procs:
             if p.poll() is None:
-                p.kill()
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the rank and its compile workers
+                except ProcessLookupError:
+                    pass
         for p, _ in procs:
             p.wait()
     for _, log in procs:

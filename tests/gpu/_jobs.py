@@ -9,7 +9,6 @@ The scenarios and their assertions are the seed test's (Megatron-FSDP test_fully
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -19,7 +18,6 @@ import torch.distributed as dist
 from mfsdp_launch import precision as P
 from mfsdp_launch.engines import get_engine
 from mfsdp_launch.engines.base import apply_freeze, local_tensor, strip_prefixes
-from mfsdp_launch.engines.megatron import full_tensor
 from mfsdp_launch.mesh import ParallelDims
 from mfsdp_launch.models import build_model_spec
 from mfsdp_launch.optim import build_optimizer
@@ -53,8 +51,10 @@ class Context:
             self.mesh = None
         self.gloo = dist.new_group(backend="gloo")
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.gloo)
+    def barrier(self, timeout: float = 600) -> None:
+        from datetime import timedelta
+
+        dist.monitored_barrier(group=self.gloo, timeout=timedelta(seconds=timeout))
 
     def close(self) -> None:
         pass
@@ -192,9 +192,17 @@ def compare(a: dict, b: dict) -> dict:
     return {"problems": problems[:20], "n_problems": len(problems), "n_model": n_model, "n_optim": n_optim}
 
 
-def full_optim_state(opt) -> Dict[str, torch.Tensor]:
-    """Unsharded optimizer state keyed 'index.key' (collective, same order on every rank)."""
-    from torch.distributed.tensor import DTensor
+def optim_checksums(opt) -> Dict[str, List[float]]:
+    """Per optimizer-state tensor: [sum of squares, sum of |x|] over the whole (unsharded) tensor.
+
+    Collective over the world (same order everywhere: Megatron-FSDP's optimizer state_dict mocks
+    empty DTensors so every rank has the same DTensor keys). A sharded DTensor's local sums add
+    up across ranks; a replicated one's are already global. The gradient-step counters are
+    checked through the training that follows. (Gathering the full uneven tensors with
+    megatron_fsdp.uneven_dtensor_to_full_tensor failed on the optimizer state on 2xH200:
+    "expanded size 64 must match 256" for the [256, 64] embedding's state.)
+    """
+    from torch.distributed.tensor import DTensor, Shard
 
     osd = opt.state_dict()
     out = {}
@@ -202,10 +210,14 @@ def full_optim_state(opt) -> Dict[str, torch.Tensor]:
         st = osd["state"][idx]
         for key in sorted(st):
             v = st[key]
-            if isinstance(v, DTensor):
-                out[f"{idx}.{key}"] = full_tensor(v).detach().float().cpu()
-            elif isinstance(v, torch.Tensor) and key != "step":
-                out[f"{idx}.{key}"] = v.detach().float().cpu()
+            if key == "step" or not isinstance(v, torch.Tensor):
+                continue
+            lt = local_tensor(v).detach().double()
+            sums = torch.stack([lt.pow(2).sum(), lt.abs().sum()]) if lt.numel() else \
+                torch.zeros(2, dtype=torch.float64, device=lt.device)
+            if isinstance(v, DTensor) and any(isinstance(p, Shard) for p in v.placements):
+                dist.all_reduce(sums)
+            out[f"{idx}.{key}"] = sums.tolist()
     return out
 
 
@@ -323,7 +335,7 @@ def dcp_roundtrip(ctx: Context, model: str, zero: str, outer: str):
     return {"pre": pre, "post": post, "after": after, "differs_before": differs_before, **cmp}
 
 
-def adamw_equivalence(ctx: Context, zero: str, outer: str = "no_shard", clip: Optional[float] = 0.5,
+def adamw_equivalence(ctx: Context, zero: str, outer: str = "no_shard", clip: Optional[float] = 0.05,
                       steps: int = 3):
     """First updates equal plain torch.optim.AdamW on the same model and data (the 0.6.1 synthetic
     step workaround), and the engine's clipped global norm equals clip_grad_norm_'s."""
@@ -358,7 +370,7 @@ def adamw_equivalence(ctx: Context, zero: str, outer: str = "no_shard", clip: Op
         losses.append(loss.item())
         rlosses.append(rloss.item())
     return {"max_param_diff": diffs, "norm": norms, "ref_norm": rnorms, "loss": losses, "ref_loss": rlosses,
-            "n_state": len(opt.state), "n_opt_params": sum(len(g["params"]) for g in opt.param_groups)}
+            "clip": clip, "n_state": len(opt.state), "n_opt_params": sum(len(g["params"]) for g in opt.param_groups)}
 
 
 def frozen(ctx: Context, meta: bool, zero: str = "optim_grads"):
@@ -449,7 +461,7 @@ def resume_save(ctx: Context, zero: str, steps_before: int = 2, steps_after: int
     ckpt = base / f"ckpt_{zero}"
     dcp.save(eng.state_dict(m, opt), checkpoint_id=str(ckpt))
     full = eng.full_model_state_dict(m)
-    fopt = full_optim_state(opt)
+    fopt = optim_checksums(opt)
     losses = [train_step(eng, m, opt, spec, batch, clip=1.0) for _ in range(steps_after)]
     if ctx.rank == 0:
         torch.save({"model": full, "optim": fopt, "losses": losses}, base / f"ref_{zero}.pt")
@@ -475,11 +487,11 @@ def resume_load(ctx: Context, zero: str, saved_zero: Optional[str] = None, steps
     dcp.load(state, checkpoint_id=str(base / f"ckpt_{saved_zero}"))
     eng.load_state_dict(m, opt, state)
     full = eng.full_model_state_dict(m)
-    fopt = full_optim_state(opt)
+    fopt = optim_checksums(opt)
     model_diff = max((full[k] - ref["model"][k]).abs().max().item() for k in ref["model"])
     missing_opt = sorted(set(ref["optim"]) ^ set(fopt))
-    optim_diff = max(((fopt[k] - ref["optim"][k]).abs().max().item() for k in ref["optim"] if k in fopt),
-                     default=float("nan"))
+    optim_diff = max((abs(a - b) / max(abs(b), 1e-30) for k in ref["optim"] if k in fopt
+                      for a, b in zip(fopt[k], ref["optim"][k])), default=float("nan"))
     losses = [train_step(eng, m, opt, spec, batch, clip=1.0) for _ in range(steps_after)]
     return {"model_diff": model_diff, "optim_diff": optim_diff, "optim_key_mismatch": missing_opt[:6],
             "losses": losses, "ref_losses": ref["losses"]}
@@ -530,9 +542,36 @@ def cuda_graph(ctx: Context, outer: str, replays: int = 8):
     return {"losses": losses, "grads_present": present, "capturable": bool(getattr(opt, "capturable", False))}
 
 
+def _fp32_loss_step(e, m, o, spec, batch, rec) -> float:
+    """One training step whose reported loss is computed in fp32 (the bf16 MSE rounds away the
+    small differences a wrong FP8 scale makes)."""
+    import torch.nn.functional as F
+
+    e.set_grad_sync(m, True)
+    with P.fp8_autocast(rec):
+        out = m(batch["x"])
+    loss = F.mse_loss(out.float(), batch["y"].float())
+    loss.backward()
+    o.step()
+    o.zero_grad()
+    return loss.item()
+
+
+def _fp8_history(m) -> Dict[str, List[float]]:
+    """Sums of each TE module's delayed-scaling scales and amax histories (fwd and bwd)."""
+    from mfsdp_launch.engines.megatron import _delayed_state, _te_modules
+
+    out = {}
+    for name, mod in _te_modules(m.module):
+        st = _delayed_state(getattr(mod, "fp8_meta", {}) or {})
+        if st is not None:
+            out[name] = [float(x.scale.double().sum()) for x in st] + [float(x.amax_history.double().sum()) for x in st]
+    return out
+
+
 def fp8_checkpoint(ctx: Context, steps_before: int = 3):
-    """Delayed-scaling FP8 (FP8 params): the first step after a resume matches the uninterrupted
-    run, because the FP8 scaling history travels in te_extra_state."""
+    """Delayed-scaling FP8 (FP8 params): the FP8 scaling history travels in te_extra_state, and
+    the first steps after a resume match the uninterrupted run (fp32 loss)."""
     import torch.distributed.checkpoint as dcp
 
     rec = P.build_fp8_recipe(FP8Config(recipe="delayed"))
@@ -550,12 +589,13 @@ def fp8_checkpoint(ctx: Context, steps_before: int = 3):
 
     e1, m1, o1 = make(0)
     for _ in range(steps_before):
-        train_step(e1, m1, o1, spec, batch, fp8_recipe=rec)
+        _fp32_loss_step(e1, m1, o1, spec, batch, rec)
     state = e1.state_dict(m1, o1)
     n_te = sum(1 for v in state.get("te_extra_state", {}).values() if v)
+    saved_history = _fp8_history(m1)
     ckpt = ctx.tmpdir / "fp8_ckpt"
     dcp.save(state, checkpoint_id=str(ckpt))
-    uninterrupted = [train_step(e1, m1, o1, spec, batch, fp8_recipe=rec) for _ in range(2)]
+    uninterrupted = [_fp32_loss_step(e1, m1, o1, spec, batch, rec) for _ in range(2)]
 
     def resumed(with_te: bool):
         e, m, o = make(1)
@@ -564,7 +604,12 @@ def fp8_checkpoint(ctx: Context, steps_before: int = 3):
         if not with_te:
             st.pop("te_extra_state", None)
         e.load_state_dict(m, o, st)
-        return [train_step(e, m, o, spec, batch, fp8_recipe=rec) for _ in range(2)]
+        history = _fp8_history(m)
+        return [_fp32_loss_step(e, m, o, spec, batch, rec) for _ in range(2)], history
 
-    return {"n_te_modules_with_state": n_te, "uninterrupted": uninterrupted, "resumed": resumed(True),
-            "resumed_without_te_state": resumed(False)}
+    losses, history = resumed(True)
+    losses_wo, history_wo = resumed(False)
+    return {"n_te_modules_with_state": n_te, "uninterrupted": uninterrupted, "resumed": losses,
+            "resumed_without_te_state": losses_wo,
+            "history_restored": bool(saved_history) and history == saved_history,
+            "history_differs_without": history_wo != saved_history}

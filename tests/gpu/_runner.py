@@ -67,7 +67,15 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         # Keep the ranks in step between cases (CPU group: never waits on a broken GPU stream).
-        ctx.barrier()
+        # A rank that failed mid-case may have left a peer blocked in a GPU collective: then the
+        # barrier times out and this process exits, and the harness ends the job.
+        try:
+            ctx.barrier(timeout=60 if row["status"] == "error" else 600)
+        except Exception as exc:  # noqa: BLE001
+            print(f"[rank {rank}] ranks out of step after {case_id} ({type(exc).__name__}); ending the job",
+                  flush=True)
+            results.close()
+            os._exit(3)
     results.close()
     ctx.close()
     dist.destroy_process_group()

@@ -98,24 +98,24 @@ CUSTOM = [(z, o, mp, mg) for z in ZEROS[1:] for o in ("no_shard", "optim") for m
 
 for _mesh, _cases in ADAMW.items():
     for _z, _o in _cases:
-        job("core", _mesh).add(f"adamw-{_z}-{_o}", "adamw_equivalence", zero=_z, outer=_o)
+        job("misc", _mesh).add(f"adamw-{_z}-{_o}", "adamw_equivalence", zero=_z, outer=_o)
 for _mesh in DCP_MESHES:
     for _m in TOYS:
         for _z in ZEROS:
             for _o in ("no_shard", "optim"):
-                _dcp_case("core", _mesh, _m, _z, _o)
+                _dcp_case("ckpt", _mesh, _m, _z, _o)
 for _mesh in CUSTOM_MESHES:
     for _z, _o, _mp, _mg in CUSTOM:
         if _o == "optim" and _z != "optim_grads_params":
             continue
-        job("core", _mesh).add(f"custom-toy_transformer-{_z}-{_o}-{_mp}-{_mg}", "custom_dtype",
+        job("misc", _mesh).add(f"custom-toy_transformer-{_z}-{_o}-{_mp}-{_mg}", "custom_dtype",
                                model="toy_transformer", zero=_z, outer=_o, main_params=_mp, main_grads=_mg)
 for _common in ("plain", "fp32main-meta-compile"):
     for _mesh in FS_MESHES:
         for _m in TOYS:
             for _z in ZEROS:
                 for _o in OUTERS:
-                    _fs_case("core", _mesh, _m, _z, _o, _common)
+                    _fs_case("fs", _mesh, _m, _z, _o, _common)
 
 EZ = job("ez", None, world=2)
 for _z in ZEROS:
@@ -153,8 +153,8 @@ def test_fully_shard(model, zero, outer, mesh, common):
     if why:
         pytest.skip(why)
     require_gpus(world_of(mesh))
-    cid = _fs_case("core", mesh, model, zero, outer, common)
-    _check_fully_shard(case(job("core", mesh), cid))
+    cid = _fs_case("fs", mesh, model, zero, outer, common)
+    _check_fully_shard(case(job("fs", mesh), cid))
 
 
 # ------------------------------------------------------------------------------- checkpoints
@@ -167,7 +167,8 @@ def _check_dcp(data, model, zero):
     assert any(d["differs_before"] for d in data), "the seed-1 model already equalled the checkpoint"
     for d in data:
         assert d["pre"] == d["post"], (d["pre"], d["post"])  # forward identical after load
-        assert d["after"][0] == d["after"][1], d["after"]  # training continues identically
+        a, b = d["after"]  # training continues identically (up to atomics in some backward kernels)
+        assert abs(a - b) <= 1e-6 * abs(b) + 1e-7, d["after"]
 
 
 @pytest.mark.parametrize("mesh", DCP_MESHES, ids=mid)
@@ -181,20 +182,21 @@ def test_dcp_checkpoint_save_and_load(zero, model, outer, mesh):
     if outer == "optim" and mesh[0] == 1:
         pytest.skip("outer optim (HFSDP) needs mesh.dp_outer > 1")
     require_gpus(world_of(mesh))
-    cid = _dcp_case("core", mesh, model, zero, outer)
-    _check_dcp(case(job("core", mesh), cid), model, zero)
+    cid = _dcp_case("ckpt", mesh, model, zero, outer)
+    _check_dcp(case(job("ckpt", mesh), cid), model, zero)
 
 
 @pytest.mark.parametrize("zero,saved", RESUME_ZEROS, ids=lambda v: str(v))
 def test_resume_2_ranks_to_1(zero, saved):
-    """DCP checkpoint written by 2 ranks, loaded by 1 (and across strategies): unsharded model and
-    optimizer state identical, and the next steps reproduce the 2-rank run's losses."""
+    """DCP checkpoint written by 2 ranks, loaded by 1 (and across strategies): unsharded model
+    identical, optimizer-state checksums equal, and the next steps reproduce the 2-rank run's
+    losses."""
     require_gpus(2)
     save = case(RESUME_SAVE, f"save-{saved}")
     d = case(RESUME_LOAD, f"load-{zero}-from-{saved}")[0]
     assert d["model_diff"] == 0.0, d
     assert not d["optim_key_mismatch"], d
-    assert d["optim_diff"] == 0.0, d
+    assert d["optim_diff"] <= 1e-9, d  # relative, of per-tensor sums (shard sums add in another order)
     for a, b in zip(d["losses"], save[0]["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (d["losses"], save[0]["losses"])
 
@@ -208,12 +210,12 @@ def test_first_updates_equal_plain_adamw(mesh, zero, outer):
     """fully_shard_optimizer's synthetic step (0.6.1) is neutralized: the first three updates
     equal torch.optim.AdamW's on the same model and data, clipping included."""
     require_gpus(world_of(mesh))
-    data = case(job("core", mesh), f"adamw-{zero}-{outer}")
+    data = case(job("misc", mesh), f"adamw-{zero}-{outer}")
     for d in data:
         assert max(d["max_param_diff"]) < 2e-6, d["max_param_diff"]
         for n, r in zip(d["norm"], d["ref_norm"]):
             assert abs(n - r) <= 1e-5 * r, (d["norm"], d["ref_norm"])
-        assert d["norm"][0] > 0.5, "the clip threshold should have been exercised"
+        assert d["norm"][0] > d["clip"], "the clip threshold should have been exercised"
         for a, b in zip(d["loss"], d["ref_loss"]):
             assert abs(a - b) <= 1e-5 * b
 
@@ -246,7 +248,7 @@ def test_fully_shard_custom_dtype(zero, outer, main_params, main_grads, mesh):
         pytest.skip(f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
                     "('optim_grads_params', 3).")
     require_gpus(world_of(mesh))
-    data = case(job("core", mesh), f"custom-toy_transformer-{zero}-{outer}-{main_params}-{main_grads}")
+    data = case(job("misc", mesh), f"custom-toy_transformer-{zero}-{outer}-{main_params}-{main_grads}")
     _check_custom(data)
 
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU work of one device call, after the devkit setup (see /work/shared/device/README.md):
+#   source /tmp/devkit/env.sh; bash tests/gpu/device_run.sh PHASE [SECONDS]
+# Phases: smoke (optimizer/resume/no-mesh/frozen/dtype cases), core (the other non-TE GPU tests),
+# e2e_bench_gpt (CLI runs + the 1.4B GPT benchmark), te (TE GPU tests + the TE model tests),
+# te_e2e_bench (the FP8 recipe end to end + TE benchmarks and profiles).
+# Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
+set -uo pipefail
+phase=${1:?phase}
+budget=${2:-480}
+export MFSDP_GPU_TEST_LOGS=/tmp/mfsdp_gpu_logs/$phase
+mkdir -p "$MFSDP_GPU_TEST_LOGS" bench
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+log="$OUT/$phase.log"
+start=$(date +%s)
+{
+  echo "== $phase on $(hostname) $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+} 2>&1 | tee "$log"
+PYTEST="python3 -m pytest -p no:cacheprovider -q -m gpu"
+SMOKE="test_first_updates_equal_plain_adamw or test_resume or test_fully_shard_ez or test_model_with_frozen or test_fully_shard_custom_dtype"
+case "$phase" in
+  smoke)
+    timeout "$budget" $PYTEST tests/gpu/test_megatron_fsdp.py -k "$SMOKE" 2>&1 | tee -a "$log" ;;
+  core)
+    timeout "$budget" $PYTEST tests/gpu/test_megatron_fsdp.py -k "not ($SMOKE)" 2>&1 | tee -a "$log" ;;
+  e2e_bench_gpt)
+    timeout 240 $PYTEST tests/gpu/test_e2e.py -k "not test_te_" -s 2>&1 | tee -a "$log"
+    left=$(( budget - ($(date +%s) - start) ))
+    timeout "$left" python3 scripts/bench.py --group gpt 2>&1 | tee -a "$log" ;;
+  te)
+    timeout "$budget" $PYTEST tests/test_models.py tests/gpu/test_te_megatron_fsdp.py 2>&1 | tee -a "$log" ;;
+  te_e2e_bench)
+    timeout 200 $PYTEST tests/gpu/test_e2e.py -k test_te_ -s 2>&1 | tee -a "$log"
+    left=$(( budget - ($(date +%s) - start) ))
+    timeout "$left" python3 scripts/bench.py --group te --group te_profile 2>&1 | tee -a "$log" ;;
+  *)
+    echo "unknown phase $phase" | tee -a "$log" ;;
+esac
+echo "== $phase done in $(( $(date +%s) - start )) s" | tee -a "$log"
+cp bench/bench.log "$OUT/bench_$phase.log" 2>/dev/null
+tar czf "$OUT/$phase-artifacts.tgz" --exclude='*.distcp' --exclude=token_cache --exclude='*.pt' \
+  --exclude=checkpoints -C / "${MFSDP_GPU_TEST_LOGS#/}" -C "$PWD" bench 2>/dev/null
+ls -la "$OUT"
