@@ -108,10 +108,31 @@ def _check_mesh(cfg) -> ParallelDims:
         if cfg.engine.name != "megatron_fsdp":
             raise ConfigError("mesh.enabled", "false (the engine's default mesh) needs "
                               "engine=megatron_fsdp", "true")
-        if (dims.dp_outer, dims.cp, dims.tp) != (1, 1, 1):
-            raise ConfigError("mesh.enabled", "false builds a plain FSDP mesh; it cannot have "
-                              f"dp_outer/cp/tp > 1 (got {dims.shape})", "mesh.dp_outer=1 mesh.cp=1 mesh.tp=1")
+        check_no_mesh(dims)
     return dims
+
+
+def check_megatron_sharding(zero: str, outer: str, *, dp_outer: int, init_on_meta: bool) -> None:
+    """Megatron-FSDP's own limits on the strategies (shared with the engine's argument mapping)."""
+    if outer == "optim":
+        if zero != "optim_grads_params":
+            raise ConfigError("sharding.outer_dp_sharding_strategy",
+                              f"'optim' (HFSDP) needs zero_dp_strategy=optim_grads_params, got {zero}",
+                              "no_shard, or zero_dp_strategy=optim_grads_params")
+        if dp_outer < 2:
+            raise ConfigError("sharding.outer_dp_sharding_strategy",
+                              "'optim' shards across dp_outer, but mesh.dp_outer=1",
+                              "no_shard, or mesh.dp_outer > 1")
+    if init_on_meta and zero == "no_shard":
+        raise ConfigError("model.init_on_meta", "Megatron-FSDP refuses meta-device init with "
+                          "zero_dp_strategy=no_shard", "false, or a sharded zero_dp_strategy")
+
+
+def check_no_mesh(dims: ParallelDims) -> None:
+    """mesh.enabled=false lets Megatron-FSDP build a flat FSDP mesh: no other dims."""
+    if (dims.dp_outer, dims.cp, dims.tp) != (1, 1, 1):
+        raise ConfigError("mesh.enabled", "false builds a plain FSDP mesh; it cannot have "
+                          f"dp_outer/cp/tp > 1 (got {tuple(dims.shape)})", "mesh.dp_outer=1 mesh.cp=1 mesh.tp=1")
 
 
 def _check_sharding(cfg, dims: ParallelDims) -> None:
@@ -120,18 +141,9 @@ def _check_sharding(cfg, dims: ParallelDims) -> None:
     outer = normalize_strategy("sharding.outer_dp_sharding_strategy", sh.outer_dp_sharding_strategy,
                                S.OUTER_STRATEGIES)
     sh.zero_dp_strategy, sh.outer_dp_sharding_strategy = zero, outer
-    if outer == "optim":
-        if zero != "optim_grads_params":
-            raise ConfigError("sharding.outer_dp_sharding_strategy",
-                              f"'optim' (HFSDP) needs zero_dp_strategy=optim_grads_params, got {zero}",
-                              "no_shard, or zero_dp_strategy=optim_grads_params")
-        if dims.dp_outer < 2:
-            raise ConfigError("sharding.outer_dp_sharding_strategy",
-                              "'optim' shards across dp_outer, but mesh.dp_outer=1",
-                              "no_shard, or mesh.dp_outer > 1")
-    if cfg.model.init_on_meta and zero == "no_shard" and cfg.engine.name == "megatron_fsdp":
-        raise ConfigError("model.init_on_meta", "Megatron-FSDP refuses meta-device init with "
-                          "zero_dp_strategy=no_shard", "false, or a sharded zero_dp_strategy")
+    # HFSDP's two rules hold for both engines (FSDP2 refuses outer optim below anyway).
+    check_megatron_sharding(zero, outer, dp_outer=dims.dp_outer,
+                            init_on_meta=cfg.model.init_on_meta and cfg.engine.name == "megatron_fsdp")
     if cfg.engine.name == "fsdp2":
         if zero == "optim":
             raise ConfigError("sharding.zero_dp_strategy", "FSDP2 cannot shard only the optimizer "

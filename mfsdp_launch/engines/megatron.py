@@ -31,25 +31,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..precision import torch_dtype
+from ..schema import DTYPES, OUTER_STRATEGIES as OUTER, ZERO_STRATEGIES as ZERO
+from ..validate import check_megatron_sharding, check_no_mesh, normalize_strategy
 from .base import Engine, local_tensor
 
-ZERO = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-OUTER = ("no_shard", "optim")
 TE_EXTRA_STATE = "te_extra_state"
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
-
-
-def _strategy(value, names, key) -> str:
-    if isinstance(value, bool):
-        raise ConfigError(key, f"got {value!r}", names)
-    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
-        i = int(value)
-        if 0 <= i < len(names):
-            return names[i]
-        raise ConfigError(key, f"{i} is out of range", names)
-    if value in names:
-        return value
-    raise ConfigError(key, f"unknown strategy {value!r}", names)
 
 
 @dataclass(frozen=True)
@@ -94,29 +81,18 @@ def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_en
     Raises ConfigError for combinations Megatron-FSDP refuses (checked again here so that a
     programmatic caller that skipped `validate` gets the same one-line error, not a deep one).
     """
-    zero = _strategy(sharding_cfg.zero_dp_strategy, ZERO, "sharding.zero_dp_strategy")
-    outer = _strategy(sharding_cfg.outer_dp_sharding_strategy, OUTER,
-                      "sharding.outer_dp_sharding_strategy")
+    zero = normalize_strategy("sharding.zero_dp_strategy", sharding_cfg.zero_dp_strategy, ZERO)
+    outer = normalize_strategy("sharding.outer_dp_sharding_strategy", sharding_cfg.outer_dp_sharding_strategy,
+                               OUTER)
     hybrid = mesh_enabled and dims.dp_outer > 1
-    if outer == "optim":
-        if zero != "optim_grads_params":
-            raise ConfigError("sharding.outer_dp_sharding_strategy",
-                              f"'optim' (HFSDP) needs zero_dp_strategy=optim_grads_params, got {zero}",
-                              "no_shard")
-        if not hybrid:
-            raise ConfigError("sharding.outer_dp_sharding_strategy",
-                              "'optim' shards across dp_outer, but mesh.dp_outer=1", "no_shard")
-    if init_on_meta and zero == "no_shard":
-        raise ConfigError("model.init_on_meta", "Megatron-FSDP refuses meta-device init with "
-                          "zero_dp_strategy=no_shard", "false")
-    if not mesh_enabled and (dims.dp_outer, dims.cp, dims.tp) != (1, 1, 1):
-        raise ConfigError("mesh.enabled", "false builds a plain FSDP mesh; it cannot have "
-                          f"dp_outer/cp/tp > 1 (got {tuple(dims.shape)})", "true")
+    check_megatron_sharding(zero, outer, dp_outer=dims.dp_outer if hybrid else 1, init_on_meta=init_on_meta)
+    if not mesh_enabled:
+        check_no_mesh(dims)
     pc = precision_cfg
     for key in ("compute_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
         value = getattr(pc, key)
-        if value is not None and value not in _DTYPE_NAMES:
-            raise ConfigError(f"precision.{key}", f"unknown dtype {value!r}", tuple(_DTYPE_NAMES))
+        if value is not None and value not in DTYPES:
+            raise ConfigError(f"precision.{key}", f"unknown dtype {value!r}", DTYPES)
     if zero == "no_shard":
         norm_group = "none"
     elif outer == "optim":
@@ -151,10 +127,6 @@ def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_en
         grad_norm_group=norm_group,
         checkpoint_format="replicated" if zero == "no_shard" else "dtensor",
     )
-
-
-def _torch_dtype(name: Optional[str]):
-    return None if name is None else getattr(torch, _DTYPE_NAMES[name])
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -225,11 +197,11 @@ class MegatronFSDPEngine(Engine):
             raise ConfigError("model.fsdp_unit_modules", f"no module of {model.__class__.__name__} is an "
                               f"FSDP unit ({', '.join(c.__name__ for c in units) or 'none given'}); "
                               "ZeRO-3 needs at least one", "class names of the model's blocks")
-        _cast_model(model, _torch_dtype(plan.compute_dtype))
+        _cast_model(model, torch_dtype(plan.compute_dtype))
         policy = mfsdp.MixedPrecisionPolicy(
-            main_params_dtype=_torch_dtype(plan.main_params_dtype),
-            main_grads_dtype=_torch_dtype(plan.main_grads_dtype),
-            grad_comm_dtype=_torch_dtype(plan.grad_comm_dtype),
+            main_params_dtype=torch_dtype(plan.main_params_dtype),
+            main_grads_dtype=torch_dtype(plan.main_grads_dtype),
+            grad_comm_dtype=torch_dtype(plan.grad_comm_dtype),
         )
         kwargs = dict(
             module=model,
