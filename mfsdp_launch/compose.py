@@ -7,6 +7,7 @@ ranks see different configs.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Iterable, List, Optional
@@ -82,7 +83,8 @@ def load_frozen(path: str | Path) -> DictConfig:
 def save_frozen(cfg: DictConfig, run_dir: Path, overrides: Optional[List[str]] = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / FROZEN_CONFIG
-    tmp = run_dir / (FROZEN_CONFIG + ".tmp")
+    # Per-process temp name: two nodes sharing a run dir may freeze the same config at once.
+    tmp = run_dir / f"{FROZEN_CONFIG}.{os.getpid()}.tmp"
     tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     tmp.replace(target)
     if overrides is not None:

@@ -104,9 +104,7 @@ def prepare_run_dir(cfg, overrides: List[str]) -> Path:
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)
     path = save_frozen(cfg, run_dir, overrides)
-    stop = run_dir / STOP_FILE
-    if stop.exists():
-        stop.unlink()
+    (run_dir / STOP_FILE).unlink(missing_ok=True)
     return path
 
 

@@ -77,8 +77,9 @@ def run_sweep(argv: List[str]) -> int:
     GlobalHydra.instance().clear()
     hydra = Hydra.create_main_hydra2(task_name="mfsdp-train",
                                      config_search_path=create_config_search_path(f"file://{config_dir()}"))
-    interrupted = False
+    interrupted = aborted = False
     returns = None
+    n_jobs = None
     try:
         try:
             sweep_cfg = hydra.compose_config(config_name="config", overrides=overrides,
@@ -95,12 +96,13 @@ def run_sweep(argv: List[str]) -> int:
             interrupted = True
             _eprint("mfsdp-train: sweep interrupted; re-run the same command to resume it")
         except Exception as exc:
-            if _STATE["started"] == 0:
-                # The sweeper composes every job before launching any: bad values end up here.
+            if n_jobs is None and _STATE["started"] == 0 and not job_dirs_in(sweep_dir):
+                # Another sweeper composes the jobs itself, before launching any: bad values end up here.
                 _eprint(f"mfsdp-train: error: {config_error_from(exc)}")
                 return 2
-            _eprint(f"mfsdp-train: sweep aborted: {_first_line(str(exc)) or type(exc).__name__}")
-            interrupted = True
+            # E.g. a launcher plugin whose job was killed (timeout, preemption): its JobReturn raises.
+            _eprint(f"mfsdp-train: sweep aborted: {type(exc).__name__}: {_first_line(str(exc))}")
+            aborted = True
     finally:
         GlobalHydra.instance().clear()
 
@@ -110,6 +112,8 @@ def run_sweep(argv: List[str]) -> int:
     rows = summarize(job_dirs, sweep_dir)
     if interrupted:
         return 130
+    if aborted:
+        return 1
     return 0 if rows and all(r["status"] in OK_STATUSES for r in rows) else 1
 
 

@@ -194,8 +194,11 @@ def _train(cfg) -> int:
         checkpoints.wait()
     finally:
         metrics.close()
-    if rank == 0 and stop_file.exists():
-        stop_file.unlink()
+    if rank == 0:
+        stop_file.unlink(missing_ok=True)
+    # Leave together: a rank that tears its process groups down while another still talks to it
+    # can abort in C++ at exit.
+    dist.barrier(group=control)
     return 0
 
 

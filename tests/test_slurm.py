@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -136,15 +135,19 @@ def test_worker_reads_the_slurm_nodelist(nodelist, first):
     assert _first_slurm_host(nodelist) == first
 
 
-def test_worker_env_under_a_bare_srun(monkeypatch):
+def test_worker_env_under_a_bare_srun():
+    from unittest import mock
+
     from mfsdp_launch.worker import _dist_env
 
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(k, raising=False)  # restored (removed) after the test
-    monkeypatch.setenv("SLURM_PROCID", "5")
-    monkeypatch.setenv("SLURM_NTASKS", "8")
-    monkeypatch.setenv("SLURM_LOCALID", "1")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[003-004]")
-    monkeypatch.setenv("SLURM_JOB_ID", "123")
-    assert _dist_env() == (5, 1, 8)
-    assert os.environ["MASTER_ADDR"] == "gpu003" and os.environ["MASTER_PORT"] == str(20000 + 123)
+    slurm_env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                 "SLURM_JOB_NODELIST": "gpu[003-004]", "SLURM_JOB_ID": "123"}
+    # patch.dict restores os.environ as a whole afterwards, also removing the RANK/MASTER_* keys
+    # that _dist_env adds (leaked, they would turn every later CLI call into a "worker").
+    with mock.patch.dict(os.environ, slurm_env):
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            os.environ.pop(k, None)
+        assert _dist_env() == (5, 1, 8)
+        assert os.environ["MASTER_ADDR"] == "gpu003" and os.environ["MASTER_PORT"] == str(20000 + 123)
+    assert "MASTER_ADDR" not in os.environ or os.environ["MASTER_ADDR"] != "gpu003"
+    assert os.environ.get("SLURM_PROCID") != "5"

@@ -188,6 +188,20 @@ def test_summary_from_disk_counts_jobs_finished_elsewhere(tmp_path, capsys):
     assert "25.0%" in (sw / sweep.SUMMARY_MD).read_text()
 
 
+def test_a_job_that_dies_under_a_launcher_aborts_with_exit_1(tmp_path, monkeypatch, capsys):
+    """A plugin's job killed from outside (timeout, preemption) comes back as a failed JobReturn,
+    which Hydra's sweeper raises: the sweep ends with exit 1 and a summary, not a config error."""
+    def killed(cfg):
+        raise RuntimeError("job 123 was killed (timeout)")
+
+    monkeypatch.setattr(sweep, "sweep_job", killed)
+    rc = sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3"))
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "mfsdp-train: sweep aborted: RuntimeError: job 123 was killed (timeout)" in err
+    assert (tmp_path / "sw" / sweep.SUMMARY_CSV).is_file()
+
+
 @pytest.mark.parametrize("args,key", [
     (["optim.lrr=1,2"], "optim.lrr: unknown key"),
     (["train.steps=2,x"], "train.steps: Value 'x'"),
@@ -275,3 +289,17 @@ def test_sweep_with_an_invalid_point_finishes_the_others_and_resumes_unfinished(
     assert steps == [1, 2, 3, 4]
     assert json.loads((job / sweep.STATUS_FILE).read_text())["status"] == "done"
     assert (job / sweep.DONE_FILE).is_file()
+
+
+@pytest.mark.slow
+def test_hydra_launcher_plugin_needs_no_code_changes(tmp_path):
+    """hydra/launcher=submitit_local (when the plugin is installed): jobs run in submitit's
+    processes, the summary is still built from the job dirs."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sw = tmp_path / "sw"
+    r = cli("-m", "+recipe=cpu_smoke", "optim.lr=1e-3,3e-3", "train.steps=2", *SMALL, f"run.name=p_{tmp_path.name}",
+            f"hydra.sweep.dir={sw}", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+            cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = rows_of(sw / sweep.SUMMARY_CSV)
+    assert [x["status"] for x in rows] == ["done", "done"] and all(float(x["final_loss"]) > 0 for x in rows)
