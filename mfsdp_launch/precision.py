@@ -90,3 +90,41 @@ def quantized_init(recipe):
     if hasattr(te, "quantized_model_init"):
         return te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True)
     return te.fp8_model_init(enabled=True, recipe=recipe, preserve_high_precision_init_val=True)
+
+
+def apply_fp8_skip(model, patterns) -> list:
+    """Run the modules matching fp8.skip globs (e.g. 'lm_head', 'layers.0') in high precision.
+
+    The rule for layers FP8 cannot or should not take (the output head, odd shapes, first/last
+    layers): their forward runs inside a nested autocast with FP8 disabled. Returns the matched
+    module names; a glob that matches nothing is an error, never a silent no-op.
+    """
+    import fnmatch
+    import functools
+
+    from .errors import ConfigError
+
+    matched = []
+    for name, module in model.named_modules():
+        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            original = module.forward
+
+            @functools.wraps(original)
+            def forward(*args, __original=original, **kwargs):
+                with _fp8_disabled():
+                    return __original(*args, **kwargs)
+
+            module.forward = forward
+            matched.append(name)
+    for p in patterns:
+        if not any(fnmatch.fnmatchcase(n, p) for n in matched):
+            raise ConfigError("fp8.skip", f"{p!r} matches no module")
+    return matched
+
+
+def _fp8_disabled():
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=False)
+    return te.fp8_autocast(enabled=False)

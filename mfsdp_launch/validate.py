@@ -179,7 +179,12 @@ def _check_fp8(cfg) -> None:
         if f.params:
             raise ConfigError("fp8.params", "true has no effect with fp8.recipe=none",
                               "false, or an fp8.recipe")
+        if f.skip:
+            raise ConfigError("fp8.skip", "has no effect with fp8.recipe=none", "[], or an fp8.recipe")
         return
+    if f.skip and f.params:
+        raise ConfigError("fp8.skip", "modules built with FP8 weights cannot run in high precision",
+                          "[] with fp8.params=true, or fp8.params=false")
     if cfg.model.name not in TE_MODELS:
         raise ConfigError("fp8.recipe", f"'{f.recipe}' would do nothing: model={cfg.model.name} "
                           "has no Transformer Engine layers", "none, or model=te_gpt|te_toy_transformer")
@@ -220,6 +225,8 @@ def _check_model(cfg, dims: ParallelDims) -> None:
         if dims.tp > 1 or dims.cp > 1:
             raise ConfigError("mesh.tp" if dims.tp > 1 else "mesh.cp",
                               f"model={name} has no tensor/context parallelism yet", "1")
+        if name == "te_gpt" and cfg.fp8.recipe != "none":
+            _check_fp8_shapes(cfg, gdims)
         if cfg.data.name == "text" and gdims.vocab_size < 256:
             raise ConfigError("model.vocab_size", f"{gdims.vocab_size} is smaller than the byte "
                               "tokenizer's 256", ">= 256")
@@ -243,6 +250,20 @@ def _check_model(cfg, dims: ParallelDims) -> None:
             raise ConfigError("model.freeze", "empty pattern", "parameter-name globs")
     if m.freeze:
         _check_freeze_globs(cfg)
+
+
+def _check_fp8_shapes(cfg, gdims) -> None:
+    """FP8 GEMMs need every dimension divisible by 16; the head may be kept out via fp8.skip."""
+    head_in_fp8 = not any(fnmatch.fnmatchcase("lm_head", p) for p in cfg.fp8.skip) and not gdims.tie_embeddings
+    checks = [("model.dim", gdims.dim), ("model.ffn_dim", gdims.ffn_dim),
+              ("train.micro_batch_size*train.seq_len", cfg.train.micro_batch_size * cfg.train.seq_len)]
+    if head_in_fp8:
+        checks.append(("model.vocab_size", gdims.vocab_size))
+    for key, value in checks:
+        if value % 16:
+            hint = "or fp8.skip=[lm_head]" if key == "model.vocab_size" else "or fp8.recipe=none"
+            raise ConfigError(key, f"{value} is not divisible by 16, which FP8 GEMMs need",
+                              f"a multiple of 16, {hint}")
 
 
 def _model_error(message: str) -> ConfigError:

@@ -138,6 +138,11 @@ def _train(cfg) -> int:
     with torch.device(init_device), precision.quantized_init(fp8_recipe if cfg.fp8.params else None):
         model = spec.build()
     frozen = apply_freeze(model, list(cfg.model.freeze))
+    if fp8_recipe is not None and cfg.fp8.skip:
+        kept = precision.apply_fp8_skip(model, list(cfg.fp8.skip))
+        if rank == 0:
+            print(f"fp8.skip: {len(kept)} module(s) stay in {cfg.precision.compute_dtype}: {', '.join(kept[:4])}"
+                  f"{' ...' if len(kept) > 4 else ''}", flush=True)
 
     engine = get_engine(cfg.engine.name, engine_cfg=cfg.engine, sharding_cfg=cfg.sharding,
                         precision_cfg=cfg.precision, dims=dims, mesh=mesh, device=device)

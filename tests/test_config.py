@@ -107,6 +107,12 @@ REFUSALS = [
     (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=delayed", "fp8.params=true"],
      "engine.keep_fp8_transpose_cache"),
     (["fp8.format=E5M2"], "fp8.format"),
+    (["fp8.skip=[lm_head]"], "fp8.skip"),  # no FP8 at all: the skip would do nothing
+    (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=current", "fp8.params=true", "fp8.skip=[lm_head]",
+      "engine.keep_fp8_transpose_cache=true"], "fp8.skip"),
+    (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=current", "model.vocab_size=1000"], "model.vocab_size"),
+    (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=current", "train.seq_len=100",
+      "train.micro_batch_size=1"], "train.micro_batch_size*train.seq_len"),
     # model
     (["model.preset=999b"], "model.preset"),
     (["model.dim=65"], "model.dim"),
@@ -158,6 +164,11 @@ def test_refusals_name_the_key(overrides, key):
 def test_unknown_key_lists_allowed_keys():
     err = refused("train.no_such_key=1")
     assert "steps" in err.allowed and "micro_batch_size" in err.allowed
+
+
+def test_odd_vocab_is_fine_when_the_head_skips_fp8():
+    checked("model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=current", "model.vocab_size=1000",
+            "fp8.skip=[lm_head]")
 
 
 def test_full_iteration_cuda_graph_accepts_the_seed_setup():
