@@ -59,12 +59,12 @@ def validate(cfg, *, check_hardware: bool = True) -> List[str]:
     _check_train(cfg, warnings)
     _check_checkpoint(cfg.checkpoint)
     if check_hardware and cfg.launcher.kind == "torchrun":
-        _check_installs(cfg)
+        _check_installs(cfg, probe=True)
         _check_gpus(cfg)
     else:
         # A dry run or an sbatch script is prepared on a machine that need not run it.
         try:
-            _check_installs(cfg)
+            _check_installs(cfg, probe=False)
         except ConfigError as exc:
             warnings.append(f"on this machine: {exc}")
     if cfg.launcher.nnodes > 1:
@@ -341,24 +341,44 @@ def _check_checkpoint(ck) -> None:
         raise ConfigError("checkpoint.load_step", "conflicts with checkpoint.resume=never", "null")
 
 
-def _check_installs(cfg) -> None:
-    def missing(module: str) -> bool:
-        try:
-            return importlib.util.find_spec(module) is None
-        except (ImportError, ValueError):
-            return True
+def _import_problem(module: str, probe: bool) -> str:
+    """'' if `module` imports; else why not, in one line. probe=False only looks for the package."""
+    try:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return "not installed"
+    except (ImportError, ValueError):
+        return "not installed"
+    if not probe:
+        return ""
+    import warnings
 
-    if cfg.engine.name == "megatron_fsdp" and missing("megatron_fsdp"):
-        raise ConfigError("engine", "megatron_fsdp is not installed (pip install 'megatron-fsdp>=0.6.1')",
-                          "fsdp2")
-    needs_te = (cfg.model.name in TE_MODELS or cfg.fp8.recipe != "none" or cfg.optim.impl == "te_fused")
-    if needs_te and missing("transformer_engine"):
-        what = (f"model={cfg.model.name}" if cfg.model.name in TE_MODELS else
-                f"fp8.recipe={cfg.fp8.recipe}" if cfg.fp8.recipe != "none" else "optim.impl=te_fused")
-        raise ConfigError("model" if cfg.model.name in TE_MODELS else "optim.impl" if
-                          cfg.fp8.recipe == "none" else "fp8.recipe",
-                          f"{what} needs Transformer Engine, which is not installed "
-                          "(pip install 'mfsdp-launch[te]')")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            importlib.import_module(module)
+    except Exception as exc:  # a half-installed TE raises RuntimeError/OSError, not ImportError
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"installed but broken ({type(exc).__name__}: {first})"
+    return ""
+
+
+def _check_installs(cfg, probe: bool) -> None:
+    """The engine and Transformer Engine import, before any process is spawned."""
+    wanted = []
+    if cfg.engine.name == "megatron_fsdp":
+        wanted.append(("engine", "engine=megatron_fsdp", "megatron_fsdp", "pip install 'megatron-fsdp>=0.6.1'"))
+    te_users = [("model", f"model={cfg.model.name}", cfg.model.name in TE_MODELS),
+                ("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}", cfg.fp8.recipe != "none"),
+                ("optim.impl", "optim.impl=te_fused", cfg.optim.impl == "te_fused")]
+    for key, what, used in te_users:
+        if used:
+            wanted.append((key, what, "transformer_engine.pytorch",
+                           "install Transformer Engine: pip install 'mfsdp-launch[te]'"))
+            break
+    for key, what, module, fix in wanted:
+        problem = _import_problem(module, probe)
+        if problem:
+            raise ConfigError(key, f"{what} needs {module}, which is {problem}", fix)
 
 
 def needs_cuda(cfg) -> str:

@@ -213,3 +213,16 @@ def test_missing_te_is_a_warning_in_dry_run_and_an_error_otherwise(monkeypatch):
     assert any("Transformer Engine" in w for w in warnings)
     err = refused("+recipe=hfsdp_fp8", "launcher.nproc_per_node=8", hardware=True)
     assert "Transformer Engine" in str(err)
+
+
+def test_broken_engine_install_is_one_line(monkeypatch, tmp_path):
+    """A package that is present but fails to import (like a half-installed TE) is named before spawning."""
+    pkg = tmp_path / "megatron_fsdp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('libtransformer_engine.so: cannot open shared object')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "megatron_fsdp", raising=False)
+    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 2)
+    err = refused("engine=megatron_fsdp", hardware=True)
+    assert err.key == "engine" and "installed but broken (RuntimeError: libtransformer_engine.so" in str(err)
+    assert "\n" not in str(err)
