@@ -372,13 +372,12 @@ def _check_installs(cfg, probe: bool) -> None:
                 ("optim.impl", "optim.impl=te_fused", cfg.optim.impl == "te_fused")]
     for key, what, used in te_users:
         if used:
-            wanted.append((key, what, "transformer_engine.pytorch",
-                           "install Transformer Engine: pip install 'mfsdp-launch[te]'"))
+            wanted.append((key, what, "transformer_engine.pytorch", "pip install 'mfsdp-launch[te]'"))
             break
     for key, what, module, fix in wanted:
         problem = _import_problem(module, probe)
         if problem:
-            raise ConfigError(key, f"{what} needs {module}, which is {problem}", fix)
+            raise ConfigError(key, f"{what} needs {module}, which is {problem}; {fix}")
 
 
 def needs_cuda(cfg) -> str:
