@@ -59,8 +59,12 @@ def run_as_external_worker(cfg, overrides: List[str]) -> int:
     from .compose import save_frozen
     from .validate import validate
 
+    rank, _, world_size = _dist_env()
+    # The job's shape is whatever torchrun/srun started, not what the config guessed.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world_size)))
+    cfg.launcher.nproc_per_node, cfg.launcher.nnodes = local, max(1, world_size // local)
+    cfg.launcher.node_rank = rank // local
     validate(cfg, check_hardware=False)
-    rank, _, _ = _dist_env()
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)
     if rank == 0:

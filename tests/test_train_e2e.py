@@ -118,3 +118,23 @@ def test_cpu_smoke_recipe_learns(tmp_path):
         assert key in rows[-1]
     assert rows[-1]["mfu"] is None  # a CPU has no known peak: null, never a guess
     assert rows[-1]["step"] == 30
+
+
+def test_under_an_existing_torchrun_it_acts_as_a_worker(tmp_path):
+    """`torchrun ... -m mfsdp_launch OVERRIDES`: no second launch; rank 0 freezes the config."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run_dir = tmp_path / "ext"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               MFSDP_CACHE_DIR=str(ROOT / ".pytest_cache" / "tokens"))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "mfsdp_launch", *BASE, f"run.dir={run_dir}", "train.steps=3"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "ranks, run.dir=" not in out.stdout  # the launcher did not start another torchrun
+    assert "nproc_per_node: 2" in (run_dir / "config.yaml").read_text()  # taken from torchrun
+    assert [r["step"] for r in losses(run_dir)[1]] == [1, 2, 3]
