@@ -142,3 +142,9 @@ class ParallelDims:
         for name, dims in FLATTENED.items():
             mesh[dims]._flatten(name)
         return mesh
+
+
+def replicate_mesh(mesh):
+    """The flat dp dim as a 2-D (replicate, shard=1) mesh: FSDP2's way of plain replication."""
+    dp = mesh["dp"]
+    return dp._unflatten(0, (dp.size(), 1), ("dp_replicate", "dp_single"))

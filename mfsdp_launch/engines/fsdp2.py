@@ -11,6 +11,7 @@ from typing import Any, Dict
 
 import torch
 
+from ..mesh import replicate_mesh
 from ..precision import torch_dtype
 from .base import Engine
 
@@ -21,9 +22,7 @@ class FSDP2Engine(Engine):
     def _shard_mesh(self):
         zero = self.sharding_cfg.zero_dp_strategy
         if zero == "no_shard":
-            # Replicate across every DP rank: a 2-D (replicate, shard=1) view of the flat dp dim.
-            return self.mesh["dp"]._unflatten(0, (self.dims.dp_size, 1), ("dp_rep", "dp_one")) \
-                if hasattr(self.mesh["dp"], "_unflatten") else self.mesh["dp"]
+            return replicate_mesh(self.mesh)
         if self.dims.dp_outer > 1:
             return self.mesh["dp_outer", "dp_shard"]
         return self.mesh["dp_shard"]
@@ -42,7 +41,6 @@ class FSDP2Engine(Engine):
         if not init_on_meta:
             model.to(dtype=main_dtype)
         mesh = self._shard_mesh()
-        self._replicate = zero == "no_shard"
         reshard = zero == "optim_grads_params"
         units = [m for m in model.modules() if isinstance(m, spec.unit_modules) and m is not model]
         for unit in units:
@@ -53,7 +51,6 @@ class FSDP2Engine(Engine):
             model.to(dtype=main_dtype)
             with torch.no_grad():
                 spec.init_weights(model)
-        self._mesh_used = mesh
         return model
 
     def wrap_optimizer(self, model, optimizer):
@@ -63,7 +60,7 @@ class FSDP2Engine(Engine):
         model.set_requires_gradient_sync(sync)
 
     def grad_norm_group(self):
-        if self._replicate or self.dims.dp_shard == 1:
+        if self.sharding_cfg.zero_dp_strategy == "no_shard" or self.dims.dp_shard == 1:
             return None
         return self.mesh["dp_shard"].get_group()
 
