@@ -165,7 +165,7 @@ def _train(cfg) -> int:
     checkpoints.resume(model, optimizer, scheduler, state)
 
     dp_rank = dims.dp_rank(rank)
-    next_batch = _batch_source(cfg, spec, dims, dp_rank, device)
+    next_batch = _batch_source(cfg, spec, dims, dp_rank, device, resumed=state)
     peak, peak_source = device_peak_tflops(device, cfg.train.peak_tflops)
     if rank == 0:
         print(f"model {cfg.model.name}: {spec.num_params / 1e6:,.2f}M params"
@@ -222,8 +222,12 @@ def _install_stop_signals(flag: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _batch_source(cfg, spec, dims, dp_rank: int, device):
-    """(step, micro) -> this rank's batch on the device; deterministic in (seed, step, DP rank)."""
+def _batch_source(cfg, spec, dims, dp_rank: int, device, resumed=None):
+    """(step, micro) -> this rank's batch on the device; deterministic in (seed, step, DP rank).
+
+    Positions count from the samples consumed at the resumed step (`resumed`, a TrainState), so a
+    resume that changes the global batch (another DP size) continues with the next unseen sample.
+    """
     import torch
 
     if spec.uses_tokens:
@@ -233,9 +237,10 @@ def _batch_source(cfg, spec, dims, dp_rank: int, device):
                                vocab_size=spec_vocab(cfg), seed=cfg.train.seed, dp_rank=dp_rank,
                                dp_size=dims.dp_size)
         ga = cfg.train.grad_accum_steps
+        base = {"base_step": resumed.step, "base_samples": resumed.consumed_samples} if resumed else {}
 
         def next_batch(step: int, micro: int) -> dict:
-            b = batches.microbatch(step, micro, grad_accum_steps=ga)
+            b = batches.microbatch(step, micro, grad_accum_steps=ga, **base)
             return {k: v.to(device, non_blocking=True) for k, v in b.items()}
 
         return next_batch
