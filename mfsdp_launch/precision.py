@@ -102,8 +102,10 @@ def apply_fp8_skip(model, patterns) -> list:
     import fnmatch
     import functools
 
-    from .errors import ConfigError
+    from .validate import check_globs_match
 
+    names = [name for name, _ in model.named_modules() if name]
+    check_globs_match("fp8.skip", patterns, names, "module")
     matched = []
     for name, module in model.named_modules():
         if name and any(fnmatch.fnmatchcase(name, p) for p in patterns):
@@ -116,9 +118,6 @@ def apply_fp8_skip(model, patterns) -> list:
 
             module.forward = forward
             matched.append(name)
-    for p in patterns:
-        if not any(fnmatch.fnmatchcase(n, p) for n in matched):
-            raise ConfigError("fp8.skip", f"{p!r} matches no module")
     return matched
 
 

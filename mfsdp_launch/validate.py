@@ -17,7 +17,6 @@ from .hardware import local_gpu_count
 from .mesh import ParallelDims
 
 TE_MODELS = ("te_gpt", "te_toy_transformer")
-TOY_MODELS = ("toy_cnn", "toy_transformer", "te_toy_transformer")
 
 
 def normalize_strategy(key: str, value, names) -> str:
@@ -285,9 +284,14 @@ def _check_freeze_globs(cfg) -> None:
     spec = build_model_spec(cfg.model, cfg.train.seq_len)
     with torch.device("meta"):
         names = [n for n, _ in spec.build().named_parameters()]
-    for pattern in cfg.model.freeze:
+    check_globs_match("model.freeze", cfg.model.freeze, names, "parameter")
+
+
+def check_globs_match(key: str, patterns, names, what: str) -> None:
+    """Every glob must match one of `names`, or the setting would silently do nothing."""
+    for pattern in patterns:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise ConfigError("model.freeze", f"{pattern!r} matches no parameter",
+            raise ConfigError(key, f"{pattern!r} matches no {what}",
                               ", ".join(names[:6]) + (", ..." if len(names) > 6 else ""))
 
 

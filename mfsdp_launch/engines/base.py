@@ -102,14 +102,13 @@ def apply_freeze(model: torch.nn.Module, patterns: List[str]) -> List[str]:
     """requires_grad=False for parameters matching any glob; returns the frozen names."""
     if not patterns:
         return []
+    from ..validate import check_globs_match
+
+    named = list(model.named_parameters())
+    check_globs_match("model.freeze", patterns, [n for n, _ in named], "parameter")
     frozen = []
-    for name, p in model.named_parameters():
+    for name, p in named:
         if any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
             p.requires_grad_(False)
             frozen.append(name)
-    for pat in patterns:
-        if not any(fnmatch.fnmatchcase(n, pat) for n in frozen):
-            from ..errors import ConfigError
-
-            raise ConfigError("model.freeze", f"{pat!r} matches no parameter")
     return frozen
