@@ -46,6 +46,16 @@ def te_available() -> Tuple[bool, str]:
     return True, ""
 
 
+def outer_skip_reason(zero: str, outer, mesh=None) -> str:
+    """Why the seed (or validation) skips an outer strategy with this ZeRO stage and mesh; '' if it runs."""
+    if outer == "optim" and zero != "optim_grads_params":
+        return (f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
+                "('optim_grads_params', 3).")
+    if outer == "optim" and mesh is not None and mesh[0] == 1:
+        return "outer optim (HFSDP) needs mesh.dp_outer > 1 (validate refuses it)"
+    return ""
+
+
 def require_gpus(n: int) -> None:
     have = gpu_count()
     if have < n:

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from _harness import outer_skip_reason
 from mfsdp_launch import precision as P
 from mfsdp_launch.engines import get_engine
 from mfsdp_launch.engines.base import apply_freeze, local_tensor, strip_prefixes
@@ -261,9 +262,8 @@ def fully_shard(ctx: Context, model: str, zero: str, outer: str, preserve_fp32: 
     if meta and zero == "no_shard":
         raise Skip("Meta device initialization (init_model_with_meta_device=True) is not supported or "
                    "necessary for the 'no_shard' / 0 sharding strategy.")
-    if outer == "optim" and zero != "optim_grads_params":
-        raise Skip(f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                   "('optim_grads_params', 3).")
+    if why := outer_skip_reason(zero, outer):
+        raise Skip(why)
     spec = spec_of(model)
     m, _ = build(ctx, spec, meta=meta)
     eng = engine_for(ctx, zero=zero, outer=outer, main_params="fp32" if preserve_fp32 else None,
@@ -296,9 +296,8 @@ def dcp_roundtrip(ctx: Context, model: str, zero: str, outer: str):
     engine: train a step, save, load into a model built from another seed, compare."""
     import torch.distributed.checkpoint as dcp
 
-    if outer == "optim" and zero != "optim_grads_params":
-        raise Skip(f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                   "('optim_grads_params', 3).")
+    if why := outer_skip_reason(zero, outer):
+        raise Skip(why)
     spec = spec_of(model)
     batch = toy_batch(spec, ctx)
 
@@ -415,9 +414,8 @@ def custom_dtype(ctx: Context, model: str, zero: str, outer: str, main_params: O
     changes per step through mixed_precision_context."""
     from megatron_fsdp import MixedPrecisionPolicy
 
-    if outer == "optim" and zero != "optim_grads_params":
-        raise Skip(f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                   "('optim_grads_params', 3).")
+    if why := outer_skip_reason(zero, outer):
+        raise Skip(why)
     te_model = model == "te_toy_fp8"
     if te_model and main_params is None:
         raise Skip("TransformerEngine FP8 all-gather requires a main parameter buffer for FSDP.")
@@ -444,17 +442,22 @@ def custom_dtype(ctx: Context, model: str, zero: str, outer: str, main_params: O
             "losses": losses}
 
 
+def _resume_model(ctx: Context, zero: str, seed: int):
+    """The sharded tiny GPT and its optimizer that the resume cases save and load."""
+    spec = spec_of("gpt_tiny")
+    m, _ = build(ctx, spec, meta=False, seed=seed)
+    eng = engine_for(ctx, zero=zero, main_params="fp32", main_grads="fp32")
+    m = eng.shard(m, spec, init_on_meta=False)
+    opt = optimizer_for(eng, m, lr=1e-3, weight_decay=0.1)
+    return spec, token_batch(ctx), eng, m, opt
+
+
 def resume_save(ctx: Context, zero: str, steps_before: int = 2, steps_after: int = 2):
     """Train, checkpoint through the engine + DCP, record the unsharded state and the losses of
     the steps that follow (every rank sees the same batch, so one rank must reproduce them)."""
     import torch.distributed.checkpoint as dcp
 
-    spec = spec_of("gpt_tiny")
-    batch = token_batch(ctx)
-    m, _ = build(ctx, spec, meta=False, seed=0)
-    eng = engine_for(ctx, zero=zero, main_params="fp32", main_grads="fp32")
-    m = eng.shard(m, spec, init_on_meta=False)
-    opt = optimizer_for(eng, m, lr=1e-3, weight_decay=0.1)
+    spec, batch, eng, m, opt = _resume_model(ctx, zero, seed=0)
     for _ in range(steps_before):
         train_step(eng, m, opt, spec, batch, clip=1.0)
     base = Path(ctx.tmpdir).parent.parent / "shared_resume"
@@ -477,12 +480,7 @@ def resume_load(ctx: Context, zero: str, saved_zero: Optional[str] = None, steps
     saved_zero = saved_zero or zero
     base = Path(ctx.tmpdir).parent.parent / "shared_resume"
     ref = torch.load(base / f"ref_{saved_zero}.pt", weights_only=False)
-    spec = spec_of("gpt_tiny")
-    batch = token_batch(ctx)
-    m, _ = build(ctx, spec, meta=False, seed=1)
-    eng = engine_for(ctx, zero=zero, main_params="fp32", main_grads="fp32")
-    m = eng.shard(m, spec, init_on_meta=False)
-    opt = optimizer_for(eng, m, lr=1e-3, weight_decay=0.1)
+    spec, batch, eng, m, opt = _resume_model(ctx, zero, seed=1)
     state = eng.state_dict(m, opt)
     dcp.load(state, checkpoint_id=str(base / f"ckpt_{saved_zero}"))
     eng.load_state_dict(m, opt, state)

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from _harness import Job, case, require_gpus
+from _harness import Job, case, outer_skip_reason, require_gpus
 
 pytestmark = pytest.mark.gpu
 
@@ -56,11 +56,8 @@ def fs_skip_reason(mesh, zero, outer, common) -> str:
     if c["meta"] and zero == "no_shard":
         return ("Meta device initialization (init_model_with_meta_device=True) is not supported or "
                 "necessary for the 'no_shard' / 0 sharding strategy.")
-    if outer == "optim" and zero != "optim_grads_params":
-        return (f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                "('optim_grads_params', 3).")
-    if outer == "optim" and mesh[0] == 1:
-        return "outer optim (HFSDP) needs mesh.dp_outer > 1 (validate refuses it)"
+    if why := outer_skip_reason(zero, outer, mesh):
+        return why
     if outer is None and mesh[0] > 1:
         return ("not expressible: with mesh.dp_outer > 1 the launcher always passes dp_outer "
                 "(the seed's outer=None then leaves that dim unused)")
@@ -176,11 +173,8 @@ def _check_dcp(data, model, zero):
 @pytest.mark.parametrize("model", TOYS)
 @pytest.mark.parametrize("zero", ZEROS)
 def test_dcp_checkpoint_save_and_load(zero, model, outer, mesh):
-    if outer == "optim" and zero != "optim_grads_params":
-        pytest.skip(f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                    "('optim_grads_params', 3).")
-    if outer == "optim" and mesh[0] == 1:
-        pytest.skip("outer optim (HFSDP) needs mesh.dp_outer > 1")
+    if why := outer_skip_reason(zero, outer, mesh):
+        pytest.skip(why)
     require_gpus(world_of(mesh))
     cid = _dcp_case("ckpt", mesh, model, zero, outer)
     _check_dcp(case(job("ckpt", mesh), cid), model, zero)
@@ -244,9 +238,8 @@ def test_fully_shard_ez(zero):
 @pytest.mark.parametrize("mesh", CUSTOM_MESHES, ids=mid)
 @pytest.mark.parametrize("zero,outer,main_params,main_grads", CUSTOM, ids=str)
 def test_fully_shard_custom_dtype(zero, outer, main_params, main_grads, mesh):
-    if outer == "optim" and zero != "optim_grads_params":
-        pytest.skip(f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                    "('optim_grads_params', 3).")
+    if why := outer_skip_reason(zero, outer):
+        pytest.skip(why)
     require_gpus(world_of(mesh))
     data = case(job("misc", mesh), f"custom-toy_transformer-{zero}-{outer}-{main_params}-{main_grads}")
     _check_custom(data)

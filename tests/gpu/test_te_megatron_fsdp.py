@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from _harness import case, gpu_count, require_gpus, require_te
+from _harness import case, gpu_count, outer_skip_reason, require_gpus, require_te
 from test_megatron_fsdp import (
     COMMON,
     CUSTOM,
@@ -122,9 +122,8 @@ def test_te_full_iteration_cuda_graph(name, size):
 @pytest.mark.parametrize("mesh", CUSTOM_MESHES, ids=mid)
 @pytest.mark.parametrize("zero,outer,main_params,main_grads", CUSTOM, ids=str)
 def test_te_fully_shard_custom_dtype_fp8_params(zero, outer, main_params, main_grads, mesh):
-    if outer == "optim" and zero != "optim_grads_params":
-        pytest.skip(f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                    "('optim_grads_params', 3).")
+    if why := outer_skip_reason(zero, outer):
+        pytest.skip(why)
     if main_params is None:
         pytest.skip("TransformerEngine FP8 all-gather requires a main parameter buffer for FSDP.")
     require_gpus(world_of(mesh))
@@ -136,11 +135,8 @@ def test_te_fully_shard_custom_dtype_fp8_params(zero, outer, main_params, main_g
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 @pytest.mark.parametrize("zero", ZEROS)
 def test_te_dcp_checkpoint_save_and_load(zero, outer, mesh):
-    if outer == "optim" and zero != "optim_grads_params":
-        pytest.skip(f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                    "('optim_grads_params', 3).")
-    if outer == "optim" and mesh[0] == 1:
-        pytest.skip("outer optim (HFSDP) needs mesh.dp_outer > 1")
+    if why := outer_skip_reason(zero, outer, mesh):
+        pytest.skip(why)
     require_gpus(world_of(mesh))
     require_te()
     cid = _dcp_case("te_ckpt", mesh, "te_toy_transformer", zero, outer)
