@@ -9,6 +9,8 @@ rendered to bench/results.md and bench/throughput.png.
   python3 scripts/bench.py --group gpt            # bare loop + both engines on the 1.4B GPT
   python3 scripts/bench.py --group te             # te_gpt d=4096: bf16 and each FP8 recipe
   python3 scripts/bench.py --group te_profile     # torch.profiler tables, bf16 vs FP8 (bare loop)
+  python3 scripts/bench.py --group gpt_pair       # bare / launcher / bare / launcher, 40 steps each
+  python3 scripts/bench.py --group te_deep        # te_gpt d=4096 with 16 layers (fills ~half the GPU)
   python3 scripts/bench.py --report               # re-render md/png from results.json
 """
 
@@ -53,10 +55,20 @@ MATRIX = [
     entry("mfsdp_te_gpt_1.4b_bf16_mbs4", "te_more", **dict(GPT, model="te_gpt")),
     entry("mfsdp_te_gpt_2b_bf16_mbs8", "te_more", **dict(TE, mbs=8)),
     entry("mfsdp_te_gpt_2b_delayed_params_mbs8", "te_more", fp8_params=True, **dict(TE, mbs=8, precision="delayed")),
+    # The launcher-vs-bare ratio, interleaved (A B A B) so drift between runs hits both sides.
+    *[entry(f"{kind}_gpt_1.4b_bf16_mbs4_pair{i}", "gpt_pair", kind=kind,
+            engine="bare megatron_fsdp" if kind == "bare" else "megatron_fsdp", steps=40, log_interval=10, **GPT)
+      for i in (1, 2) for kind in ("bare", "launcher")],
+    # te_gpt d=4096 with 16 layers (3.5B params): bf16 and the two fastest FP8 recipes.
+    entry("mfsdp_te_gpt_2b_l16_bf16_mbs4", "te_deep", n_layers=16, **TE),
+    entry("mfsdp_te_gpt_2b_l16_delayed_mbs4", "te_deep", n_layers=16, **dict(TE, precision="delayed")),
+    entry("mfsdp_te_gpt_2b_l16_current_mbs4", "te_deep", n_layers=16, **dict(TE, precision="current")),
     # Where the time goes (torch.profiler, bare loop on the same TE GPT).
     entry("profile_te_gpt_2b_bf16", "te_profile", kind="bare", engine="bare megatron_fsdp", profile=3, **TE),
     entry("profile_te_gpt_2b_delayed_params", "te_profile", kind="bare", engine="bare megatron_fsdp", profile=3,
           fp8_params=True, **dict(TE, precision="delayed")),
+    entry("profile_te_gpt_2b_delayed", "te_profile", kind="bare", engine="bare megatron_fsdp", profile=3,
+          **dict(TE, precision="delayed")),
 ]
 
 
@@ -85,6 +97,8 @@ def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: P
     ]
     if e["model"] == "te_gpt":
         args.append("model.params_dtype=bf16")
+    if e.get("n_layers"):
+        args.append(f"model.n_layers={e['n_layers']}")
     if e["precision"] != "bf16":
         args += [f"fp8.recipe={e['precision']}", f"fp8.params={str(e['fp8_params']).lower()}",
                  f"engine.keep_fp8_transpose_cache={str(e['fp8_params']).lower()}"]
@@ -122,6 +136,8 @@ def run_bare(e: dict, world: int, steps: int, log) -> dict:
         cmd.append("--fp8-params")
     if e.get("profile"):
         cmd += ["--profile", str(e["profile"])]
+    if e.get("n_layers"):
+        cmd += ["--n-layers", str(e["n_layers"])]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     log.write(f"\n=== {e['name']} ({time.time() - t0:.0f} s, exit {proc.returncode})\n$ {' '.join(cmd)}\n"
@@ -151,6 +167,10 @@ def _fmt(x, spec):
     return format(x, spec) if isinstance(x, (int, float)) else "—"
 
 
+def _model(r: dict) -> str:
+    return f"{r['model']} {r['preset']}" + (f" ({r['n_layers']} layers)" if r.get("n_layers") else "")
+
+
 def render(res: dict) -> None:
     OUT.mkdir(exist_ok=True)
     runs = [r for r in res["runs"].values()]
@@ -166,10 +186,10 @@ def render(res: dict) -> None:
         if r.get("profile"):
             continue
         if not r.get("ok"):
-            lines.append(f"| {r['name']} | {r['engine']} | {r['model']} {r['preset']} | {r['seq']} | {r['mbs']} | "
+            lines.append(f"| {r['name']} | {r['engine']} | {_model(r)} | {r['seq']} | {r['mbs']} | "
                          f"{r['precision']} | {r.get('fp8_params')} | {r.get('world', '?')} | failed | | |")
             continue
-        lines.append(f"| {r['name']} | {r['engine']} | {r['model']} {r['preset']} | {r['seq']} | {r['mbs']} | "
+        lines.append(f"| {r['name']} | {r['engine']} | {_model(r)} | {r['seq']} | {r['mbs']} | "
                      f"{r['precision']} | {'yes' if r.get('fp8_params') else 'no'} | {r['world']} | "
                      f"{_fmt(r['tokens_per_s_per_gpu'], ',.0f')} | "
                      f"{_fmt(100 * r['mfu'] if r.get('mfu') is not None else None, '.1f')}% | "
@@ -184,6 +204,13 @@ def render(res: dict) -> None:
     if b40 and m40:
         notes.append(f"- the same pair re-measured in a later call (40 steps, median of 10-step intervals): "
                      f"**{m40['tokens_per_s_per_gpu'] / b40['tokens_per_s_per_gpu']:.3f}x**")
+    pairs = [(by.get(f"bare_gpt_1.4b_bf16_mbs4_pair{i}"), by.get(f"launcher_gpt_1.4b_bf16_mbs4_pair{i}"))
+             for i in (1, 2)]
+    if all(b and m for b, m in pairs):
+        each = ", ".join(f"{m['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.3f}x" for b, m in pairs)
+        total = sum(m["tokens_per_s_per_gpu"] for _, m in pairs) / sum(b["tokens_per_s_per_gpu"] for b, _ in pairs)
+        notes.append(f"- interleaved bare/launcher/bare/launcher (one call, 40 steps each): pairs {each}; "
+                     f"mean launcher / mean bare **{total:.3f}x** (target >= 0.98)")
     f2 = by.get("fsdp2_gpt_1.4b_bf16_mbs4")
     if bare and f2:
         notes.append(f"- launcher (fsdp2) / bare Megatron-FSDP loop: {f2['tokens_per_s_per_gpu'] / bare['tokens_per_s_per_gpu']:.3f}x")
@@ -195,6 +222,12 @@ def render(res: dict) -> None:
         notes.append(f"- te_gpt d=4096 seq 4096: bf16 MFU {100 * bf['mfu']:.1f}% (target >= 50%); best FP8 "
                      f"({best['name']}) / bf16 = **{best['tokens_per_s_per_gpu'] / bf['tokens_per_s_per_gpu']:.3f}x** "
                      "(target >= 1.25)")
+    bf16, deep = by.get("mfsdp_te_gpt_2b_l16_bf16_mbs4"), [
+        by.get(f"mfsdp_te_gpt_2b_l16_{r}_mbs4") for r in ("delayed", "current")]
+    if bf16 and any(deep):
+        best = max((r for r in deep if r), key=lambda r: r["tokens_per_s_per_gpu"])
+        notes.append(f"- te_gpt d=4096, 16 layers: bf16 MFU {100 * bf16['mfu']:.1f}%, {bf16['peak_mem_gib']:.0f} GiB; "
+                     f"best FP8 ({best['name']}) / bf16 = **{best['tokens_per_s_per_gpu'] / bf16['tokens_per_s_per_gpu']:.3f}x**")
     if notes:
         lines += ["", *notes]
     (OUT / "results.md").write_text("\n".join(lines) + "\n")
@@ -225,7 +258,7 @@ def render(res: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--group", action="append", default=[], help="gpt | te | te_more | te_profile")
+    ap.add_argument("--group", action="append", default=[], help="gpt | gpt_pair | te | te_deep | te_more | te_profile")
     ap.add_argument("--only", action="append", default=[], help="entry names")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--log-interval", type=int, default=5)
@@ -246,10 +279,11 @@ def main() -> int:
         with open(a.log, "a") as log:
             for e in todo:
                 t0 = time.time()
+                steps = e.get("steps", a.steps)
                 if e["kind"] == "bare":
-                    r = run_bare(e, world, a.steps if not e.get("profile") else 8, log)
+                    r = run_bare(e, world, steps if not e.get("profile") else 8, log)
                 else:
-                    r = run_launcher(e, world, a.steps, a.log_interval, log)
+                    r = run_launcher(e, world, steps, e.get("log_interval", a.log_interval), log)
                 r["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
                 res["runs"][e["name"]] = r
                 save_results(res)

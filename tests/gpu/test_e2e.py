@@ -97,3 +97,36 @@ def test_te_e2e_hfsdp_fp8_text():
                "data.max_bytes=16000000", "checkpoint.save_final=false", f"run.dir={run_dir}")
     assert "(2, 1, 1, 1)" in proc.stdout, proc.stdout[-2000:]
     _check_training(proc, run_dir, min_drop=2.0)
+
+
+def test_te_e2e_full_iteration_cuda_graph_cli():
+    """train.cuda_graph=full_iteration through the worker: one capture, a replay per step, loss
+    falls, and the final checkpoint is written from the graph-mode model."""
+    require_gpus(2)
+    require_te()
+    import shutil
+
+    run_dir = RUNS / "cuda_graph"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    proc = cli("cuda_graph", "+recipe=fsdp_bf16", "launcher.nproc_per_node=2", "model.preset=125m",
+               "optim.impl=te_fused", "train.cuda_graph=full_iteration", "train.steps=40",
+               "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000", f"run.dir={run_dir}")
+    _check_training(proc, run_dir, min_drop=1.5)
+    assert (run_dir / "checkpoints" / "step_40" / "manifest.json").is_file()
+
+
+def test_te_e2e_fp8_skip_delayed():
+    """fp8.skip keeps the output head and the first layer in bf16 under delayed scaling; the run
+    says which modules it kept and trains."""
+    require_gpus(2)
+    require_te()
+    import shutil
+
+    run_dir = RUNS / "fp8_skip"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    proc = cli("fp8_skip", "+recipe=hfsdp_fp8", "launcher.nproc_per_node=2", "model.preset=125m",
+               "model.params_dtype=bf16", "fp8.recipe=delayed", "fp8.skip=[lm_head,layers.0]",
+               "train.steps=40", "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000",
+               "checkpoint.save_final=false", f"run.dir={run_dir}")
+    assert "fp8.skip: 2 module(s) stay in bf16: layers.0, lm_head" in proc.stdout, proc.stdout[-2000:]
+    _check_training(proc, run_dir, min_drop=1.5)
