@@ -196,17 +196,21 @@ def compare(a: dict, b: dict) -> dict:
 def optim_checksums(opt) -> Dict[str, List[float]]:
     """Per optimizer-state tensor: [sum of squares, sum of |x|] over the whole (unsharded) tensor.
 
-    Collective over the world (same order everywhere: Megatron-FSDP's optimizer state_dict mocks
-    empty DTensors so every rank has the same DTensor keys). A sharded DTensor's local sums add
-    up across ranks; a replicated one's are already global. The gradient-step counters are
-    checked through the training that follows. (Gathering the full uneven tensors with
-    megatron_fsdp.uneven_dtensor_to_full_tensor failed on the optimizer state on 2xH200:
-    "expanded size 64 must match 256" for the [256, 64] embedding's state.)
+    Collective over the world. The key set differs between ranks: the optimizer keeps no state
+    for a parameter whose local shard is empty (uneven shards), and Megatron-FSDP 0.6.1 mocks
+    the missing DTensors only in a private copy inside its state_dict post-hook
+    (fully_shard.py `optim_state_extended`), not in the dict `state_dict()` returns. So the keys
+    and their sharded-ness are all-gathered first, every rank contributes zeros for a sharded
+    key it lacks, and one SUM all-reduce over the union (same order everywhere) adds the shard
+    sums. A replicated tensor's sums are contributed by the lowest rank that holds it.
+    (Gathering the full uneven tensors with megatron_fsdp.uneven_dtensor_to_full_tensor failed
+    on the optimizer state on 2xH200: "expanded size 64 must match 256".)
     """
     from torch.distributed.tensor import DTensor, Shard
 
     osd = opt.state_dict()
-    out = {}
+    local: Dict[str, torch.Tensor] = {}
+    sharded: Dict[str, bool] = {}
     for idx in sorted(osd["state"]):
         st = osd["state"][idx]
         for key in sorted(st):
@@ -214,12 +218,27 @@ def optim_checksums(opt) -> Dict[str, List[float]]:
             if key == "step" or not isinstance(v, torch.Tensor):
                 continue
             lt = local_tensor(v).detach().double()
-            sums = torch.stack([lt.pow(2).sum(), lt.abs().sum()]) if lt.numel() else \
+            name = f"{idx}.{key}"
+            local[name] = torch.stack([lt.pow(2).sum(), lt.abs().sum()]) if lt.numel() else \
                 torch.zeros(2, dtype=torch.float64, device=lt.device)
-            if isinstance(v, DTensor) and any(isinstance(p, Shard) for p in v.placements):
-                dist.all_reduce(sums)
-            out[f"{idx}.{key}"] = sums.tolist()
-    return out
+            sharded[name] = isinstance(v, DTensor) and any(isinstance(p, Shard) for p in v.placements)
+    world = dist.get_world_size()
+    if world == 1:
+        return {k: t.tolist() for k, t in local.items()}
+    every: List[Optional[Dict[str, bool]]] = [None] * world
+    dist.all_gather_object(every, sharded)
+    names = sorted({k for d in every for k in d}, key=lambda k: (int(k.split(".", 1)[0]), k))
+    rank = dist.get_rank()
+    device = next(iter(local.values())).device if local else local_tensor(opt.param_groups[0]["params"][0]).device
+    rows = []
+    for k in names:
+        is_sharded = any(d.get(k, False) for d in every)
+        owner = min(r for r, d in enumerate(every) if k in d)
+        mine = k in local and (is_sharded or rank == owner)
+        rows.append(local[k] if mine else torch.zeros(2, dtype=torch.float64, device=device))
+    sums = torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    return {k: sums[i].tolist() for i, k in enumerate(names)}
 
 
 def train_step(engine, model, opt, spec, batch, *, ctx=None, fp8_recipe=None, clip=None) -> float:
