@@ -128,6 +128,9 @@ class TrainConfig:
     progress: bool = True
     # Device peak in TFLOP/s for MFU; null looks the device up, and MFU is null if unknown.
     peak_tflops: Optional[float] = None
+    # Hang diagnosis: when no step completes for this many seconds, every rank prints all its
+    # threads' Python stacks to stderr (again every period while stalled). null: off.
+    stall_dump_s: Optional[float] = None
 
 
 @dataclass

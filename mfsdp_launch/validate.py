@@ -304,6 +304,8 @@ def _check_train(cfg, warnings: List[str]) -> None:
     for key in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "log_interval"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    if t.stall_dump_s is not None and t.stall_dump_s <= 0:
+        raise ConfigError("train.stall_dump_s", f"must be > 0, got {t.stall_dump_s}", "seconds, or null (off)")
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise ConfigError("train.grad_clip", f"must be > 0, got {t.grad_clip}", "a positive number or null")
     o = cfg.optim
@@ -327,6 +329,11 @@ def _check_train(cfg, warnings: List[str]) -> None:
         for ok, key, allowed in rules:
             if not ok:
                 raise ConfigError(key, "not supported with train.cuda_graph=full_iteration", allowed)
+        # Replays pass the seed's GPU test through FullIterationCudaGraph, but the first 2xH200
+        # run through the full training loop did not finish (cause not yet known).
+        warnings.append("train.cuda_graph=full_iteration is experimental in the training loop: its first "
+                        "2xH200 end-to-end run stalled; set train.stall_dump_s=120 to get every rank's "
+                        "stack if a step hangs")
         pc = cfg.precision
         if pc.main_grads_dtype != pc.main_params_dtype and not cfg.engine.use_decoupled_grad:
             raise ConfigError("precision.main_grads_dtype", "must equal main_params_dtype under "

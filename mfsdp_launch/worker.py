@@ -122,8 +122,11 @@ def _train(cfg) -> int:
     from .metrics import MetricsWriter, device_peak_tflops
     from .models import build_model_spec
     from .optim import build_optimizer, build_scheduler
+    from .watchdog import StallWatchdog
 
     rank, local_rank, world_size = _dist_env()
+    watchdog = StallWatchdog(cfg.train.stall_dump_s, label=f"rank {rank}: ")
+    watchdog.start()  # covers start-up too (sharding, resume, the first step's capture or compile)
     device, control = _init_distributed(cfg.engine, local_rank)
     run_dir = Path(cfg.run.dir)
     dims = ParallelDims.from_config(cfg.mesh, world_size)
@@ -182,6 +185,7 @@ def _train(cfg) -> int:
     _install_stop_signals(got_signal)
 
     def stop_requested(step: int) -> bool:
+        watchdog.arm()  # called once per completed step
         flag.fill_(int(got_signal["value"] or (rank == 0 and stop_file.exists())))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
         return bool(flag.item())
@@ -203,6 +207,7 @@ def _train(cfg) -> int:
         checkpoints.wait()
     finally:
         metrics.close()
+        watchdog.stop()
     if rank == 0:
         stop_file.unlink(missing_ok=True)
     # Leave together: a rank that tears its process groups down while another still talks to it

@@ -131,6 +131,7 @@ REFUSALS = [
     (["train.micro_batch_size=0"], "train.micro_batch_size"),
     (["train.grad_accum_steps=0"], "train.grad_accum_steps"),
     (["train.grad_clip=-1"], "train.grad_clip"),
+    (["train.stall_dump_s=0"], "train.stall_dump_s"),
     (["train.cuda_graph=sometimes"], "train.cuda_graph"),
     (["train.cuda_graph=full_iteration"], "engine"),
     (["engine=megatron_fsdp", "train.cuda_graph=full_iteration"], "optim.impl"),

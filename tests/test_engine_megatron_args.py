@@ -5,6 +5,7 @@ import torch
 
 from mfsdp_launch.engines.megatron import (
     MegatronFSDPEngine,
+    _restore_hfsdp_grad_scaling,
     make_capturable,
     plan_megatron_fsdp,
     reset_step_counters,
@@ -175,3 +176,19 @@ def test_unwrap_compiled():
             self._orig_mod = inner
 
     assert unwrap(Wrapper(m)) is m and unwrap(m) is m
+
+
+def test_hfsdp_helper_buffer_gets_the_main_buffers_gradient_scaling():
+    """0.6.1 leaves the HFSDP helper buffer's factor None (main grads then hold the SUM over
+    the DP ranks); the engine copies the main buffer's 1/dp. Groups without a helper, and a
+    helper that already has a factor, are left alone."""
+    from types import SimpleNamespace as NS
+
+    hfsdp = NS(main_grad_buffer=NS(gradient_scaling_factor=0.25), hfsdp_helper_gbuf=NS(gradient_scaling_factor=None))
+    plain = NS(main_grad_buffer=NS(gradient_scaling_factor=0.5), hfsdp_helper_gbuf=None)
+    fixed = NS(main_grad_buffer=NS(gradient_scaling_factor=0.25), hfsdp_helper_gbuf=NS(gradient_scaling_factor=0.125))
+    model = NS(param_and_grad_buffer=NS(parameter_groups=[hfsdp, plain, fixed]))
+    _restore_hfsdp_grad_scaling(model)
+    assert hfsdp.hfsdp_helper_gbuf.gradient_scaling_factor == 0.25
+    assert plain.hfsdp_helper_gbuf is None
+    assert fixed.hfsdp_helper_gbuf.gradient_scaling_factor == 0.125

@@ -534,27 +534,41 @@ def te_quantized(ctx: Context, recipe: str, meta: bool):
     return {"losses": losses, "n_quantized_params": n_fp8}
 
 
-def cuda_graph(ctx: Context, outer: str, replays: int = 8):
-    """Seed test_full_iteration_cuda_graph through cuda_graph.FullIterationCudaGraph."""
-    from mfsdp_launch.cuda_graph import FullIterationCudaGraph
+def cuda_graph(ctx: Context, outer: str, replays: int = 8, model: str = "toy_transformer",
+               compute: str = "fp32", loop_extras: bool = False):
+    """Seed test_full_iteration_cuda_graph through cuda_graph.FullIterationCudaGraph.
 
-    spec = spec_of("toy_transformer")
+    loop_extras adds what the training loop does around a replay (global-norm clipping, the LR
+    scheduler, a logged-loss all-reduce): with the GPT in bf16 it is the worker's path minus
+    data, metrics and checkpoints."""
+    from mfsdp_launch.cuda_graph import FullIterationCudaGraph
+    from mfsdp_launch.optim import build_scheduler
+
+    spec = spec_of(model)
     m, _ = build(ctx, spec, meta=False, seed=0)
-    eng = engine_for(ctx, zero="optim_grads_params", outer=outer, main_params="fp32", main_grads="fp32",
-                     cuda_graph=True)
+    eng = engine_for(ctx, zero="optim_grads_params", outer=outer, compute=compute, main_params="fp32",
+                     main_grads="fp32", cuda_graph=True)
     m = eng.shard(m, spec, init_on_meta=False)
-    opt = eng.wrap_optimizer(m, build_optimizer(m, OptimConfig(impl="te_fused", lr=0.01, weight_decay=0.0)))
-    batch = toy_batch(spec, ctx)
+    ocfg = OptimConfig(impl="te_fused", lr=0.01, weight_decay=0.0, warmup_steps=2)
+    opt = eng.wrap_optimizer(m, build_optimizer(m, ocfg))
+    sched = build_scheduler(opt, ocfg, replays) if loop_extras else None
+    batch = token_batch(ctx) if model == "gpt_tiny" else toy_batch(spec, ctx)
     graph = FullIterationCudaGraph(m, spec.loss, opt, lambda step, micro: batch)
     fsdp_group = m.dist_index.get_fsdp_group()
     losses, present = [], []
     for _ in range(replays):
         eng.set_grad_sync(m, True)
         loss = graph()
+        if loop_extras:
+            eng.clip_grad_norm(m, 1.0)
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)
         torch.cuda.synchronize()
         present.append(any_over(grads_nonzero(m, ("grad", "decoupled_grad")), fsdp_group))
         losses.append(loss.detach().clone().item())
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=False)
     return {"losses": losses, "grads_present": present, "capturable": bool(getattr(opt, "capturable", False))}
 

@@ -20,6 +20,8 @@ start=$(date +%s)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 } 2>&1 | tee "$log"
+# Ranks a killed test left behind would share the GPUs with the next run (and skew a benchmark).
+reap() { pkill -9 -f "mfsdp_launch|torch.distributed.run|bare_loop.py" 2>/dev/null; sleep 2; }
 PYTEST="python3 -m pytest -p no:cacheprovider -q -m gpu"
 SMOKE="test_first_updates_equal_plain_adamw or test_resume or test_fully_shard_ez or test_model_with_frozen or test_fully_shard_custom_dtype"
 case "$phase" in
@@ -28,13 +30,13 @@ case "$phase" in
   core)
     timeout "$budget" $PYTEST tests/gpu/test_megatron_fsdp.py -k "not ($SMOKE)" 2>&1 | tee -a "$log" ;;
   e2e_bench_gpt)
-    timeout 240 $PYTEST tests/gpu/test_e2e.py -k "not test_te_" -s 2>&1 | tee -a "$log"
+    timeout 240 $PYTEST tests/gpu/test_e2e.py -k "not test_te_" -s 2>&1 | tee -a "$log"; reap
     left=$(( budget - ($(date +%s) - start) ))
     timeout "$left" python3 scripts/bench.py ${BENCH:---group gpt} 2>&1 | tee -a "$log" ;;
   te)
     timeout "$budget" $PYTEST tests/test_models.py tests/gpu/test_te_megatron_fsdp.py 2>&1 | tee -a "$log" ;;
   te_e2e_bench)
-    timeout 330 $PYTEST tests/gpu/test_e2e.py -k test_te_ -s 2>&1 | tee -a "$log"
+    timeout 400 $PYTEST tests/gpu/test_e2e.py -k test_te_ -s 2>&1 | tee -a "$log"; reap
     left=$(( budget - ($(date +%s) - start) ))
     timeout "$left" python3 scripts/bench.py ${BENCH:---group te --group te_profile} 2>&1 | tee -a "$log" ;;
   *)

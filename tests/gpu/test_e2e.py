@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,20 +19,43 @@ from _harness import LOG_DIR, ROOT, require_gpus, require_te
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
+STALL_DUMP_S = 60  # a step that takes longer than this is a hang here
 RUNS = Path(os.environ.get("MFSDP_GPU_TEST_LOGS", tempfile.gettempdir())) / "mfsdp_e2e_runs"
 
 
-def cli(name: str, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
+def cli(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run the CLI with its output streamed to log files, so that a hung run is stopped at
+    `timeout` through the launcher (no orphaned ranks left on the GPUs) and its log, with the
+    stall watchdog's stack dumps, survives."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("MFSDP_CACHE_DIR", str(RUNS / "token_cache"))
-    proc = subprocess.run([sys.executable, "-m", "mfsdp_launch", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    args = (*args, f"train.stall_dump_s={STALL_DUMP_S}")
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    (LOG_DIR / f"e2e_{name}.log").write_text(f"$ python -m mfsdp_launch {' '.join(args)}\n"
-                                             f"exit {proc.returncode}\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
-    print(proc.stdout[-3000:])
-    return proc
+    log = LOG_DIR / f"e2e_{name}.log"
+    with open(log, "w") as out, open(log.with_suffix(".stderr"), "w") as err:
+        out.write(f"$ python -m mfsdp_launch {' '.join(args)}\n")
+        out.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "mfsdp_launch", *args], cwd=ROOT, env=env,
+                                stdout=out, stderr=err, text=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # The launcher's own abort path: a first SIGTERM asks for a graceful stop, a second
+            # makes it SIGTERM torchrun's session, and torchrun SIGKILLs ranks that stay stuck.
+            for sig, wait in ((signal.SIGTERM, 5), (signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+                try:
+                    proc.send_signal(sig)
+                    proc.wait(timeout=wait)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+            code = None
+    stdout, stderr = log.read_text(), log.with_suffix(".stderr").read_text()
+    print(stdout[-3000:])
+    if code is None:
+        pytest.fail(f"{name}: no exit after {timeout} s, killed; last stderr (stack dumps):\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, code, stdout, stderr)
 
 
 def rows(run_dir: Path):
@@ -110,7 +134,8 @@ def test_te_e2e_full_iteration_cuda_graph_cli():
     shutil.rmtree(run_dir, ignore_errors=True)
     proc = cli("cuda_graph", "+recipe=fsdp_bf16", "launcher.nproc_per_node=2", "model.preset=125m",
                "optim.impl=te_fused", "train.cuda_graph=full_iteration", "train.steps=40",
-               "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000", f"run.dir={run_dir}")
+               "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000", f"run.dir={run_dir}",
+               timeout=150)
     _check_training(proc, run_dir, min_drop=1.5)
     assert (run_dir / "checkpoints" / "step_40" / "manifest.json").is_file()
 
@@ -127,6 +152,6 @@ def test_te_e2e_fp8_skip_delayed():
     proc = cli("fp8_skip", "+recipe=hfsdp_fp8", "launcher.nproc_per_node=2", "model.preset=125m",
                "model.params_dtype=bf16", "fp8.recipe=delayed", "fp8.skip=[lm_head,layers.0]",
                "train.steps=40", "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000",
-               "checkpoint.save_final=false", f"run.dir={run_dir}")
+               "checkpoint.save_final=false", f"run.dir={run_dir}", timeout=150)
     assert "fp8.skip: 2 module(s) stay in bf16: layers.0, lm_head" in proc.stdout, proc.stdout[-2000:]
     _check_training(proc, run_dir, min_drop=1.5)

@@ -47,6 +47,10 @@ for _m in QUANT_MESHES:
 for _name, (_m2, _m8, _outer) in GRAPH_CASES.items():
     for _m in (_m2, _m8):
         job("te_graph", _m).add(f"graph-{_name}", "cuda_graph", outer=_outer)
+# The training loop's version: the GPT in bf16 with clipping, scheduler and a logged-loss
+# all-reduce around each replay (bisects a loop-level stall from the capture itself).
+job("te_graph", GRAPH_CASES["fsdp"][0]).add("graph-gpt-loop", "cuda_graph", outer="no_shard", model="gpt_tiny",
+                                             compute="bf16", loop_extras=True)
 job("te_ckpt", FP8_CKPT_MESH).add("fp8-ckpt-delayed", "fp8_checkpoint")
 for _mesh in CUSTOM_MESHES:
     for _z, _o, _mp, _mg in CUSTOM:
@@ -113,6 +117,18 @@ def test_te_full_iteration_cuda_graph(name, size):
     require_te()
     data = case(job("te_graph", mesh), f"graph-{name}")
     for d in data:
+        assert d["capturable"]
+        assert all(math.isfinite(x) for x in d["losses"]), d["losses"]
+        assert all(d["grads_present"]), d["grads_present"]
+        assert d["losses"][-1] < d["losses"][0], d["losses"]
+
+
+def test_te_full_iteration_cuda_graph_gpt_bf16_with_loop_steps():
+    """The GPT in bf16 under a full-iteration graph, with the loop's clipping, LR schedule and
+    logged-loss all-reduce between replays: gradients every replay, loss falls."""
+    require_gpus(world_of(GRAPH_CASES["fsdp"][0]))
+    require_te()
+    for d in case(job("te_graph", GRAPH_CASES["fsdp"][0]), "graph-gpt-loop"):
         assert d["capturable"]
         assert all(math.isfinite(x) for x in d["losses"]), d["losses"]
         assert all(d["grads_present"]), d["grads_present"]
