@@ -247,8 +247,8 @@ def _check_model(cfg, dims: ParallelDims) -> None:
     for pattern in m.freeze:
         if not pattern:
             raise ConfigError("model.freeze", "empty pattern", "parameter-name globs")
-    if m.freeze:
-        _check_freeze_globs(cfg)
+    if m.freeze or cfg.fp8.skip:
+        _check_name_globs(cfg)
 
 
 def _check_fp8_shapes(cfg, gdims) -> None:
@@ -273,22 +273,31 @@ def _model_error(message: str) -> ConfigError:
     return ConfigError(found.group(1) if found else "model.preset", message)
 
 
-def _check_freeze_globs(cfg) -> None:
-    """Every glob must match a parameter, or the freeze silently does nothing."""
-    import torch  # only paid for when model.freeze is set
+def _check_name_globs(cfg) -> None:
+    """model.freeze globs must match parameters and fp8.skip globs modules, checked here on a
+    meta-device model: in the worker, a miss would fail every rank after the spawn."""
+    import torch  # only paid for when model.freeze or fp8.skip is set
 
     from .models import build_model_spec
 
-    if cfg.model.name in TE_MODELS:
-        return  # TE needs CUDA to build; the worker checks these globs
+    if cfg.model.name in TE_MODELS and _import_problem("transformer_engine.pytorch", probe=True):
+        return  # TE cannot build here (no TE, no CUDA): the worker checks these globs
     import warnings
 
     spec = build_model_spec(cfg.model, cfg.train.seq_len)
     # Only the names are needed; a model's construction warnings would break the one-line error.
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        names = [n for n, _ in spec.build().named_parameters()]
-    check_globs_match("model.freeze", cfg.model.freeze, names, "parameter")
+        try:
+            model = spec.build()
+        except Exception:  # noqa: BLE001 - a TE build that needs a GPU: the worker checks
+            if cfg.model.name in TE_MODELS:
+                return
+            raise
+    if cfg.model.freeze:
+        check_globs_match("model.freeze", cfg.model.freeze, [n for n, _ in model.named_parameters()], "parameter")
+    if cfg.fp8.skip and cfg.fp8.recipe != "none":
+        check_globs_match("fp8.skip", cfg.fp8.skip, [n for n, _ in model.named_modules() if n], "module")
 
 
 def check_globs_match(key: str, patterns, names, what: str) -> None:

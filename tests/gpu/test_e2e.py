@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,12 @@ def cli(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(proc.args, code, stdout, stderr)
 
 
+def fresh_run_dir(name: str) -> Path:
+    run_dir = RUNS / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return run_dir
+
+
 def rows(run_dir: Path):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -79,8 +86,6 @@ FSDP_DIR = RUNS / "fsdp_bf16"
 
 def test_e2e_fsdp_bf16_text():
     require_gpus(2)
-    import shutil
-
     shutil.rmtree(FSDP_DIR, ignore_errors=True)
     proc = cli("fsdp_bf16", "+recipe=fsdp_bf16", "launcher.nproc_per_node=2", "model.preset=125m",
                "train.steps=60", "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000",
@@ -112,10 +117,7 @@ def test_e2e_resume_fsdp_bf16_at_world_size_1():
 def test_te_e2e_hfsdp_fp8_text():
     require_gpus(2)
     require_te()
-    import shutil
-
-    run_dir = RUNS / "hfsdp_fp8"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir = fresh_run_dir("hfsdp_fp8")
     proc = cli("hfsdp_fp8", "+recipe=hfsdp_fp8", "launcher.nproc_per_node=2", "model.preset=125m",
                "model.params_dtype=bf16", "train.steps=60", "train.seq_len=1024", "train.log_interval=10",
                "data.max_bytes=16000000", "checkpoint.save_final=false", f"run.dir={run_dir}")
@@ -128,10 +130,7 @@ def test_te_e2e_full_iteration_cuda_graph_cli():
     falls, and the final checkpoint is written from the graph-mode model."""
     require_gpus(2)
     require_te()
-    import shutil
-
-    run_dir = RUNS / "cuda_graph"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir = fresh_run_dir("cuda_graph")
     proc = cli("cuda_graph", "+recipe=fsdp_bf16", "launcher.nproc_per_node=2", "model.preset=125m",
                "optim.impl=te_fused", "train.cuda_graph=full_iteration", "train.steps=40",
                "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000", f"run.dir={run_dir}",
@@ -145,13 +144,25 @@ def test_te_e2e_fp8_skip_delayed():
     says which modules it kept and trains."""
     require_gpus(2)
     require_te()
-    import shutil
-
-    run_dir = RUNS / "fp8_skip"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir = fresh_run_dir("fp8_skip")
     proc = cli("fp8_skip", "+recipe=hfsdp_fp8", "launcher.nproc_per_node=2", "model.preset=125m",
                "model.params_dtype=bf16", "fp8.recipe=delayed", "fp8.skip=[lm_head,layers.0]",
                "train.steps=40", "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000",
                "checkpoint.save_final=false", f"run.dir={run_dir}", timeout=150)
     assert "fp8.skip: 2 module(s) stay in bf16: layers.0, lm_head" in proc.stdout, proc.stdout[-2000:]
     _check_training(proc, run_dir, min_drop=1.5)
+
+
+def test_te_fp8_skip_glob_that_matches_nothing_is_refused_before_spawn():
+    """On a machine with TE the launcher builds te_gpt on the meta device and checks the globs:
+    one line, exit 2, no rank started."""
+    require_te()
+    run_dir = RUNS / "fp8_skip_refused"
+    proc = subprocess.run([sys.executable, "-m", "mfsdp_launch", "+recipe=hfsdp_fp8", "launcher.nproc_per_node=2",
+                           "fp8.skip=[lm_head,no_such_layer]", f"run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "fp8.skip" in proc.stderr and "no_such_layer" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run_dir / "config.yaml").exists()
