@@ -134,3 +134,11 @@ class FullIterationCudaGraph:
         self.step += 1
         self.replays += 1
         return self.static_loss
+
+    def release(self) -> None:
+        """Free the graph before the process groups go: NCCL's communicator teardown waits for
+        the CUDA graphs that captured its kernels."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph = None

@@ -118,7 +118,8 @@ def _log_row(ctx: LoopContext, state: TrainState, loss: torch.Tensor, grad_norm,
     return {
         "step": state.step,
         "loss": loss,
-        "lr": ctx.optimizer.param_groups[0]["lr"],
+        # A device tensor under full-iteration CUDA graphs (capturable FusedAdam).
+        "lr": float(ctx.optimizer.param_groups[0]["lr"]),
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "tflops_per_gpu": tflops,

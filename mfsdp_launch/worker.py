@@ -75,16 +75,34 @@ def run_as_external_worker(cfg, overrides: List[str]) -> int:
 def run(cfg) -> int:
     rank, _, _ = _dist_env()
     try:
-        return _train(cfg)
-    except ConfigError as exc:
+        code = _train(cfg)
+    except ConfigError as exc:  # raised the same on every rank
         if rank == 0:
             print(f"mfsdp-train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        import torch.distributed as dist
+        code = 2
+    except Exception:  # noqa: BLE001 - reported, then the rank leaves at once
+        _leave_after_failure(rank)
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+def _leave_after_failure(rank: int) -> None:
+    """Print why this rank failed and exit without tearing the process groups down.
+
+    NCCL's teardown waits for the peers, and for every live CUDA graph that uses a communicator
+    (the traceback keeps the captured graph alive): a failed rank would hang there silently while
+    its peers wait for it, and torchrun would never see it fail and stop the job.
+    """
+    import traceback
+
+    sys.stdout.flush()
+    print(f"mfsdp-train: rank {rank} failed:", file=sys.stderr)
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _init_distributed(engine_cfg, local_rank: int):
@@ -205,6 +223,8 @@ def _train(cfg) -> int:
     try:
         train(forward_model, cfg.train, state, ctx)
         checkpoints.wait()
+        if ctx.step_fn is not None:
+            ctx.step_fn.release()  # (on failure the rank exits without NCCL teardown: see run)
     finally:
         metrics.close()
         watchdog.stop()

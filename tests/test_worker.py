@@ -1,5 +1,6 @@
 """The worker's wiring pieces that need no process group."""
 
+import pytest
 import torch
 
 from mfsdp_launch.compose import compose
@@ -48,3 +49,62 @@ def test_toys_train_on_a_fixed_pair_per_dp_rank(tmp_path):
     a1 = _batch_source(cfg, spec, dims, 1, torch.device("cpu"))
     assert torch.equal(a0(0, 0)["x"], a0(7, 0)["x"])
     assert not torch.equal(a0(0, 0)["x"], a1(0, 0)["x"])
+
+
+def test_logged_lr_is_a_number_when_the_optimizer_keeps_it_on_device(tmp_path):
+    """Capturable FusedAdam (full-iteration CUDA graphs) holds the LR as a tensor; the metrics
+    row must still be JSON (a tensor there crashed rank 0 alone and hung the job)."""
+    import json
+    import types
+
+    import torch.distributed as dist
+
+    from mfsdp_launch.loop import _log_row
+    from mfsdp_launch.metrics import MetricsWriter
+    from mfsdp_launch.optim import build_scheduler
+    from mfsdp_launch.schema import OptimConfig
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([param], lr=3e-4)
+    opt.param_groups[0]["lr"] = torch.tensor(3e-4)
+    sched = build_scheduler(opt, OptimConfig(lr=3e-4, warmup_steps=2), 10)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    assert torch.is_tensor(opt.param_groups[0]["lr"])
+    ctx = types.SimpleNamespace(world_size=1, spec=types.SimpleNamespace(flops_per_token=None), peak_tflops=None,
+                                optimizer=opt, device=torch.device("cpu"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        row = _log_row(ctx, TrainState(step=3), torch.tensor(5.0), torch.tensor(1.0), 0.1, 4096, 0.0)
+    finally:
+        dist.destroy_process_group()
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write(row)
+    writer.close()
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert logged["lr"] == pytest.approx(float(opt.param_groups[0]["lr"]))
+
+
+def test_a_failing_rank_prints_its_traceback_and_exits_without_teardown():
+    """A rank that raises mid-training reports the error and exits 1 at once; it does not wait
+    in NCCL teardown for peers (or live CUDA graphs), so torchrun can stop the job."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import mfsdp_launch.worker as w\n"
+        "def fail(cfg):\n"
+        "    raise RuntimeError('injected failure at step 10')\n"
+        "w._train = fail\n"
+        "w.run(None)\n"
+        "print('returned normally')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["RANK"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "rank 1 failed" in proc.stderr
+    assert "injected failure at step 10" in proc.stderr and "Traceback" in proc.stderr
+    assert "returned normally" not in proc.stdout

@@ -570,6 +570,7 @@ def cuda_graph(ctx: Context, outer: str, replays: int = 8, model: str = "toy_tra
         if sched is not None:
             sched.step()
         opt.zero_grad(set_to_none=False)
+    graph.release()
     return {"losses": losses, "grads_present": present, "capturable": bool(getattr(opt, "capturable", False))}
 
 

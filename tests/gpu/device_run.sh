@@ -6,6 +6,15 @@
 # te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
+#
+# The whole GPU suite in six back-to-back calls on nvidia-h200-x2 (the machine is given back
+# after ~30 s idle, so have every call ready; ~25 of the 30 device minutes, measured):
+#   1 carry [.devkit,.te0]  bash .devkit/setup.sh base && source /tmp/devkit/env.sh && bash tests/gpu/device_run.sh smoke 420
+#   2 carry [.te1]          bash /tmp/devkit/setup.sh part 1 && source /tmp/devkit/env.sh && bash tests/gpu/device_run.sh core 400
+#   3 carry [.te2]          part 2 && BENCH="--group gpt_pair" ... e2e_bench_gpt 420
+#   4 carry [.te3]          part 3 (+ a short re-run if anything failed)
+#   5 carry [.te4]          part 4 && bash /tmp/devkit/setup.sh te && ... te 420
+#   6 no carry              ... BENCH="--group te_deep --only profile_te_gpt_2b_delayed" ... te_e2e_bench 440
 set -uo pipefail
 phase=${1:?phase}
 budget=${2:-480}
