@@ -157,7 +157,7 @@ def test_te_fp8_skip_glob_that_matches_nothing_is_refused_before_spawn():
     """On a machine with TE the launcher builds te_gpt on the meta device and checks the globs:
     one line, exit 2, no rank started."""
     require_te()
-    run_dir = RUNS / "fp8_skip_refused"
+    run_dir = fresh_run_dir("fp8_skip_refused")
     proc = subprocess.run([sys.executable, "-m", "mfsdp_launch", "+recipe=hfsdp_fp8", "launcher.nproc_per_node=2",
                            "fp8.skip=[lm_head,no_such_layer]", f"run.dir={run_dir}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
