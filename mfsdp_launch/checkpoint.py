@@ -822,12 +822,15 @@ class CheckpointManager:
 
     @staticmethod
     def _load_scheduler(scheduler, optimizer, sched_state: dict) -> List[str]:
+        import torch
+
         notes = []
-        fresh_base = list(getattr(scheduler, "base_lrs", []) or [])
+        # As floats: under capturable FusedAdam the LRs (and so the base LRs) are device tensors.
+        fresh_base = [float(b) for b in getattr(scheduler, "base_lrs", []) or []]
         scheduler.load_state_dict(sched_state)
         if not fresh_base or optimizer is None:
             return notes
-        old_base = list(scheduler.base_lrs)
+        old_base = [float(b) for b in scheduler.base_lrs]
         if old_base != fresh_base:
             notes.append(f"base LR {old_base} in the checkpoint -> {fresh_base} from the config")
             scheduler.base_lrs = fresh_base
@@ -837,9 +840,12 @@ class CheckpointManager:
         if lambdas is not None and all(callable(f) for f in lambdas):
             # LambdaLR: recompute from (possibly new) base LR and schedule at the restored step;
             # identical to the saved LR when nothing changed.
-            lrs = [b * f(scheduler.last_epoch) for f, b in zip(lambdas, scheduler.base_lrs)]
+            lrs = [b * f(scheduler.last_epoch) for f, b in zip(lambdas, map(float, scheduler.base_lrs))]
             for g, lr in zip(optimizer.param_groups, lrs):
-                g["lr"] = lr
+                if torch.is_tensor(g["lr"]):
+                    g["lr"].fill_(lr)  # capturable FusedAdam: a graph-safe step reads this tensor
+                else:
+                    g["lr"] = lr
             scheduler._last_lr = list(lrs)
         elif old_base != fresh_base:
             notes.append(f"({type(scheduler).__name__}: the new base LR applies from the next schedule step)")

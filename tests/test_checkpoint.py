@@ -348,3 +348,31 @@ def test_config_changes_without_full_configs():
     assert C.config_changes(new, old) == [
         "mesh.dp_shard 2 -> 1", "engine.zero_dp_strategy 3 -> 2",
         "world size 2 -> 1 (DCP reshards model and optimizer)", "torch 2.11.0 -> 2.13.0"]
+
+
+def test_scheduler_resume_keeps_a_device_lr_tensor_in_place():
+    """Capturable FusedAdam (CUDA graphs) reads its LR from a tensor in the param group: resuming
+    the schedule fills that tensor rather than replacing it with a float."""
+    import torch
+
+    from mfsdp_launch.checkpoint import CheckpointManager
+    from mfsdp_launch.optim import build_scheduler
+    from mfsdp_launch.schema import OptimConfig
+
+    def optimizer_with_tensor_lr():
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        opt.param_groups[0]["lr"] = torch.tensor(1e-3)
+        return opt
+
+    ocfg = OptimConfig(lr=1e-3, warmup_steps=4)
+    before = optimizer_with_tensor_lr()
+    sched = build_scheduler(before, ocfg, 20)
+    for _ in range(6):
+        before.step()
+        sched.step()
+    after = optimizer_with_tensor_lr()
+    lr_tensor = after.param_groups[0]["lr"]
+    notes = CheckpointManager._load_scheduler(build_scheduler(after, ocfg, 20), after, sched.state_dict())
+    assert notes == []
+    assert after.param_groups[0]["lr"] is lr_tensor
+    assert float(lr_tensor) == pytest.approx(float(before.param_groups[0]["lr"]))

@@ -7,6 +7,7 @@ from mfsdp_launch.engines.megatron import (
     MegatronFSDPEngine,
     _restore_hfsdp_grad_scaling,
     make_capturable,
+    match_capturable,
     plan_megatron_fsdp,
     reset_step_counters,
     unwrap,
@@ -165,6 +166,32 @@ def test_make_capturable_refuses_torch_adamw():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
     with pytest.raises(ConfigError):
         make_capturable(opt, torch.device("cpu"))
+
+
+class _FusedAdamLike(torch.optim.SGD):
+    """What match_capturable reads of TE FusedAdam: `capturable` and a per-group step."""
+
+    def __init__(self, capturable: bool):
+        super().__init__([torch.nn.Parameter(torch.ones(1))], lr=1e-3)
+        self.capturable = capturable
+
+
+def test_loaded_lr_and_step_take_the_form_the_optimizer_steps_with():
+    """A checkpoint from a non-graph run resumed under CUDA graphs gives device tensors, and one
+    from a graph run resumed without them gives plain numbers."""
+    graphed = _FusedAdamLike(capturable=True)
+    graphed.param_groups[0].update(lr=2e-4, step=7)  # as loaded from a non-graph run
+    match_capturable(graphed, torch.device("cpu"))
+    group = graphed.param_groups[0]
+    assert torch.is_tensor(group["lr"]) and float(group["lr"]) == pytest.approx(2e-4)
+    assert torch.is_tensor(group["step"]) and int(group["step"]) == 7
+
+    eager = _FusedAdamLike(capturable=False)
+    eager.param_groups[0].update(lr=torch.tensor(3e-4), step=torch.tensor([9], dtype=torch.int))
+    match_capturable(eager, torch.device("cpu"))
+    group = eager.param_groups[0]
+    assert isinstance(group["lr"], float) and group["lr"] == pytest.approx(3e-4)
+    assert group["step"] == 9 and isinstance(group["step"], int)
 
 
 def test_unwrap_compiled():

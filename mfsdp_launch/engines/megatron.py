@@ -363,6 +363,7 @@ class MegatronFSDPEngine(Engine):
                 osd["state"] = {i: {k: _like(v, live.get(i, {}).get(k)) for k, v in s.items()}
                                 for i, s in osd["state"].items()}
             optimizer.load_state_dict(osd)
+            match_capturable(optimizer, self.device)
 
     def full_model_state_dict(self, model) -> Dict[str, torch.Tensor]:
         """Unsharded weights, prefixes stripped (collective; handles uneven shards)."""
@@ -432,11 +433,26 @@ def make_capturable(optimizer, device) -> None:
         return
     optimizer.capturable = True
     optimizer._step_supports_amp_scaling = True
+    match_capturable(optimizer, device)
+
+
+def match_capturable(optimizer, device) -> None:
+    """LR and per-group step counters in the form the optimizer steps with: device tensors when
+    it is capturable, plain numbers otherwise. Also after loading a checkpoint, which may come
+    from a run of the other kind."""
+    capturable = bool(getattr(optimizer, "capturable", False))
     for group in optimizer.param_groups:
-        if not torch.is_tensor(group["lr"]):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
-        if "step" in group and not torch.is_tensor(group["step"]):
-            group["step"] = torch.tensor([int(group["step"])], dtype=torch.int, device=device)
+        lr = group["lr"]
+        if capturable and not torch.is_tensor(lr):
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+        elif not capturable and torch.is_tensor(lr):
+            group["lr"] = float(lr)
+        if "step" in group:  # TE FusedAdam keeps Adam's step count in the group
+            step = group["step"]
+            if capturable and not torch.is_tensor(step):
+                group["step"] = torch.tensor([int(step)], dtype=torch.int, device=device)
+            elif not capturable and torch.is_tensor(step):
+                group["step"] = int(step)
 
 
 def reset_step_counters(optimizer) -> None:
