@@ -276,28 +276,60 @@ def _model_error(message: str) -> ConfigError:
 def _check_name_globs(cfg) -> None:
     """model.freeze globs must match parameters and fp8.skip globs modules, checked here on a
     meta-device model: in the worker, a miss would fail every rank after the spawn."""
+    if cfg.model.name in TE_MODELS:
+        names = _te_model_names(cfg)
+        if names is None:
+            return  # TE cannot build here (no TE or no GPU): the worker checks these globs
+        params, modules = names
+    else:
+        params, modules = _meta_model_names(cfg.model, cfg.train.seq_len)
+    if cfg.model.freeze:
+        check_globs_match("model.freeze", cfg.model.freeze, params, "parameter")
+    if cfg.fp8.skip and cfg.fp8.recipe != "none":
+        check_globs_match("fp8.skip", cfg.fp8.skip, modules, "module")
+
+
+def _meta_model_names(model_cfg, seq_len: int):
+    """(parameter names, module names) of the model built on the meta device."""
+    import warnings
+
     import torch  # only paid for when model.freeze or fp8.skip is set
 
     from .models import build_model_spec
 
-    if cfg.model.name in TE_MODELS and _import_problem("transformer_engine.pytorch", probe=True):
-        return  # TE cannot build here (no TE, no CUDA): the worker checks these globs
-    import warnings
-
-    spec = build_model_spec(cfg.model, cfg.train.seq_len)
+    spec = build_model_spec(model_cfg, seq_len)
     # Only the names are needed; a model's construction warnings would break the one-line error.
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            model = spec.build()
-        except Exception:  # noqa: BLE001 - a TE build that needs a GPU: the worker checks
-            if cfg.model.name in TE_MODELS:
-                return
-            raise
-    if cfg.model.freeze:
-        check_globs_match("model.freeze", cfg.model.freeze, [n for n, _ in model.named_parameters()], "parameter")
-    if cfg.fp8.skip and cfg.fp8.recipe != "none":
-        check_globs_match("fp8.skip", cfg.fp8.skip, [n for n, _ in model.named_modules() if n], "module")
+        model = spec.build()
+    return [n for n, _ in model.named_parameters()], [n for n, _ in model.named_modules() if n]
+
+
+def _te_model_names(cfg):
+    """_meta_model_names for a TE model, in a short-lived process: building TE layers may open a
+    CUDA context, which the launcher must not hold on GPU 0 for the whole run. None when TE
+    cannot build the model on this machine."""
+    import json
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    if _import_problem("transformer_engine.pytorch", probe=False):
+        return None
+    code = ("import json, sys\n"
+            "from mfsdp_launch.schema import ModelConfig\n"
+            "from mfsdp_launch.validate import _meta_model_names\n"
+            "spec = json.loads(sys.argv[1])\n"
+            "print(json.dumps(_meta_model_names(ModelConfig(**spec['model']), spec['seq_len'])))\n")
+    spec = {"model": OmegaConf.to_container(cfg.model, resolve=True), "seq_len": cfg.train.seq_len}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
+                              timeout=300)
+        params, modules = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return params, modules
 
 
 def check_globs_match(key: str, patterns, names, what: str) -> None:

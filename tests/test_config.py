@@ -227,3 +227,16 @@ def test_broken_engine_install_is_one_line(monkeypatch, tmp_path):
     err = refused("engine=megatron_fsdp", hardware=True)
     assert err.key == "engine" and "installed but broken (RuntimeError: libtransformer_engine.so" in str(err)
     assert "\n" not in str(err)
+
+
+def test_model_names_from_a_separate_process_match_the_in_process_build(monkeypatch):
+    """The TE path builds the model in a short-lived process (no CUDA context kept by the
+    launcher); its names are the ones an in-process meta build gives."""
+    from mfsdp_launch import validate as V
+
+    cfg = compose(["model.preset=tiny", "model.freeze=[tok_emb.*]"])
+    monkeypatch.setattr(V, "_import_problem", lambda module, probe: "")  # pretend TE is installed
+    names = V._te_model_names(cfg)
+    assert names is not None
+    assert list(names) == list(V._meta_model_names(cfg.model, cfg.train.seq_len))
+    assert "tok_emb.weight" in names[0] and "layers.0" in names[1]
