@@ -822,7 +822,7 @@ class CheckpointManager:
 
     @staticmethod
     def _load_scheduler(scheduler, optimizer, sched_state: dict) -> List[str]:
-        import torch
+        from .optim import set_lr
 
         notes = []
         # As floats: under capturable FusedAdam the LRs (and so the base LRs) are device tensors.
@@ -842,10 +842,7 @@ class CheckpointManager:
             # identical to the saved LR when nothing changed.
             lrs = [b * f(scheduler.last_epoch) for f, b in zip(lambdas, map(float, scheduler.base_lrs))]
             for g, lr in zip(optimizer.param_groups, lrs):
-                if torch.is_tensor(g["lr"]):
-                    g["lr"].fill_(lr)  # capturable FusedAdam: a graph-safe step reads this tensor
-                else:
-                    g["lr"] = lr
+                set_lr(g, lr)
             scheduler._last_lr = list(lrs)
         elif old_base != fresh_base:
             notes.append(f"({type(scheduler).__name__}: the new base LR applies from the next schedule step)")

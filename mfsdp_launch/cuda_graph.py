@@ -26,6 +26,8 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from .optim import set_lr
+
 
 class FullIterationCudaGraph:
     """A replayable training iteration. Call it once per optimizer step; returns the loss.
@@ -87,17 +89,11 @@ class FullIterationCudaGraph:
                     else:
                         g[k] = v
 
-    def _set_lr_zero(self) -> None:
-        for g in self.optimizer.param_groups:
-            if torch.is_tensor(g["lr"]):
-                g["lr"].fill_(0.0)
-            else:
-                g["lr"] = 0.0
-
     def capture(self, batch: Dict[str, torch.Tensor]) -> None:
         self.static_batch = {k: v.clone() for k, v in batch.items()}
         snap = self._snapshot_optimizer()
-        self._set_lr_zero()
+        for group in self.optimizer.param_groups:
+            set_lr(group, 0.0)
         # Side-stream warm-up: lazy init and allocations happen before capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -8,6 +8,15 @@ from typing import List
 import torch
 
 
+def set_lr(group: dict, value: float) -> None:
+    """Set a param group's LR in place: capturable FusedAdam (CUDA graphs) keeps it as a device
+    tensor that its step reads, so that is filled; a plain number is replaced."""
+    if torch.is_tensor(group["lr"]):
+        group["lr"].fill_(value)
+    else:
+        group["lr"] = value
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     """Two groups: matrices decay; norms, biases and other 1-D params don't.
 

@@ -12,7 +12,7 @@ import random
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from .errors import ConfigError
 
@@ -89,7 +89,7 @@ def run(cfg) -> int:
     return code
 
 
-def _leave_after_failure(rank: int) -> None:
+def _leave_after_failure(rank: int) -> NoReturn:
     """Print why this rank failed and exit without tearing the process groups down.
 
     NCCL's teardown waits for the peers, and for every live CUDA graph that uses a communicator
@@ -169,10 +169,10 @@ def _train(cfg) -> int:
             print(f"fp8.skip: {len(kept)} module(s) stay in {cfg.precision.compute_dtype}: {', '.join(kept[:4])}"
                   f"{' ...' if len(kept) > 4 else ''}", flush=True)
 
+    # Validation allows full-iteration graphs with megatron_fsdp only.
+    graph_mode = {"cuda_graph": True} if cfg.train.cuda_graph == "full_iteration" else {}
     engine = get_engine(cfg.engine.name, engine_cfg=cfg.engine, sharding_cfg=cfg.sharding,
-                        precision_cfg=cfg.precision, dims=dims, mesh=mesh, device=device)
-    if cfg.train.cuda_graph == "full_iteration":
-        engine.cuda_graph_mode = True  # validation allows this with megatron_fsdp only
+                        precision_cfg=cfg.precision, dims=dims, mesh=mesh, device=device, **graph_mode)
     model = engine.shard(model, spec, init_on_meta=cfg.model.init_on_meta)
     forward_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.optim, fused_ok=device.type == "cuda")

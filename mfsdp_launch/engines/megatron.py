@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..optim import set_lr
 from ..precision import torch_dtype
 from ..schema import DTYPES, OUTER_STRATEGIES as OUTER, ZERO_STRATEGIES as ZERO
 from ..validate import check_megatron_sharding, check_no_mesh, normalize_strategy
@@ -176,7 +177,7 @@ class MegatronFSDPEngine(Engine):
                  cuda_graph: bool = False, **_ignored):
         super().__init__(engine_cfg=engine_cfg, sharding_cfg=sharding_cfg, precision_cfg=precision_cfg,
                          dims=dims, mesh=mesh, device=device)
-        # The worker sets this for train.cuda_graph=full_iteration (read in shard/wrap_optimizer).
+        # train.cuda_graph=full_iteration: read in shard and wrap_optimizer.
         self.cuda_graph_mode = bool(cuda_graph)
         self.plan: Optional[MegatronPlan] = None
         self._model = None
@@ -237,12 +238,8 @@ class MegatronFSDPEngine(Engine):
             make_capturable(optimizer, self.device)
         saved = []
         for group in optimizer.param_groups:
-            lr = group.get("lr")
-            saved.append((lr.clone() if torch.is_tensor(lr) else lr, group.get("weight_decay")))
-            if torch.is_tensor(lr):
-                lr.fill_(0.0)
-            else:
-                group["lr"] = 0.0
+            saved.append((float(group["lr"]), group.get("weight_decay")))
+            set_lr(group, 0.0)
             if "weight_decay" in group:
                 group["weight_decay"] = 0.0
         try:
@@ -250,10 +247,7 @@ class MegatronFSDPEngine(Engine):
             optimizer = mfsdp.fully_shard_optimizer(optimizer)
         finally:
             for group, (lr, wd) in zip(optimizer.param_groups, saved):
-                if torch.is_tensor(group.get("lr")) and torch.is_tensor(lr):
-                    group["lr"].copy_(lr)
-                else:
-                    group["lr"] = lr
+                set_lr(group, lr)
                 if wd is not None:
                     group["weight_decay"] = wd
         reset_step_counters(optimizer)

@@ -24,13 +24,18 @@ STALL_DUMP_S = 60  # a step that takes longer than this is a hang here
 RUNS = Path(os.environ.get("MFSDP_GPU_TEST_LOGS", tempfile.gettempdir())) / "mfsdp_e2e_runs"
 
 
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("MFSDP_CACHE_DIR", str(RUNS / "token_cache"))
+    return env
+
+
 def cli(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Run the CLI with its output streamed to log files, so that a hung run is stopped at
     `timeout` through the launcher (no orphaned ranks left on the GPUs) and its log, with the
     stall watchdog's stack dumps, survives."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("MFSDP_CACHE_DIR", str(RUNS / "token_cache"))
+    env = cli_env()
     args = (*args, f"train.stall_dump_s={STALL_DUMP_S}")
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / f"e2e_{name}.log"
@@ -160,8 +165,7 @@ def test_te_fp8_skip_glob_that_matches_nothing_is_refused_before_spawn():
     run_dir = fresh_run_dir("fp8_skip_refused")
     proc = subprocess.run([sys.executable, "-m", "mfsdp_launch", "+recipe=hfsdp_fp8", "launcher.nproc_per_node=2",
                            "fp8.skip=[lm_head,no_such_layer]", f"run.dir={run_dir}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=cli_env())
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "fp8.skip" in proc.stderr and "no_such_layer" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
