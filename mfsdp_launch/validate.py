@@ -370,11 +370,6 @@ def _check_train(cfg, warnings: List[str]) -> None:
         for ok, key, allowed in rules:
             if not ok:
                 raise ConfigError(key, "not supported with train.cuda_graph=full_iteration", allowed)
-        # Replays pass the seed's GPU test through FullIterationCudaGraph; the first 2xH200 run
-        # through the training loop hung (rank 0 failed to log the device-tensor LR, then waited
-        # in NCCL teardown). Both are fixed, but the loop path has not run on a GPU since.
-        warnings.append("train.cuda_graph=full_iteration in the training loop is not yet verified on a GPU; "
-                        "train.stall_dump_s=120 prints every rank's stack if a step hangs")
         pc = cfg.precision
         if pc.main_grads_dtype != pc.main_params_dtype and not cfg.engine.use_decoupled_grad:
             raise ConfigError("precision.main_grads_dtype", "must equal main_params_dtype under "
