@@ -51,7 +51,6 @@ class FullIterationCudaGraph:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.static_batch: Optional[Dict[str, torch.Tensor]] = None
         self.static_loss: Optional[torch.Tensor] = None
-        self.replays = 0
 
     # -------------------------------------------------------------------- capture
 
@@ -128,7 +127,6 @@ class FullIterationCudaGraph:
                 self.static_batch[k].copy_(v, non_blocking=True)
         self.graph.replay()
         self.step += 1
-        self.replays += 1
         return self.static_loss
 
     def release(self) -> None:

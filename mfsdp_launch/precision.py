@@ -104,11 +104,11 @@ def apply_fp8_skip(model, patterns) -> list:
 
     from .validate import check_globs_match
 
-    names = [name for name, _ in model.named_modules() if name]
-    check_globs_match("fp8.skip", patterns, names, "module")
+    named = [(name, module) for name, module in model.named_modules() if name]
+    check_globs_match("fp8.skip", patterns, [name for name, _ in named], "module")
     matched = []
-    for name, module in model.named_modules():
-        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+    for name, module in named:
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
             original = module.forward
 
             @functools.wraps(original)

@@ -157,12 +157,17 @@ def _check_sharding(cfg, dims: ParallelDims) -> None:
                               "1 with engine=fsdp2, or engine=megatron_fsdp")
 
 
+def check_precision_dtypes(precision_cfg, allowed) -> None:
+    """Every dtype key is unset or one of `allowed` (shared with the engine's argument mapping)."""
+    for key in ("compute_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+        value = getattr(precision_cfg, key)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"precision.{key}", f"unknown dtype {value!r}", allowed)
+
+
 def _check_precision(cfg, warnings: List[str]) -> None:
     pc = cfg.precision
-    for key in ("compute_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
-        value = getattr(pc, key)
-        if value is not None:
-            _one_of(f"precision.{key}", value, S.DTYPES + ("null",))
+    check_precision_dtypes(pc, S.DTYPES + ("null",))
     if pc.compute_dtype is None:
         pc.compute_dtype = "fp32"
     if pc.compute_dtype == "fp16":
@@ -285,7 +290,7 @@ def _check_name_globs(cfg) -> None:
         params, modules = _meta_model_names(cfg.model, cfg.train.seq_len)
     if cfg.model.freeze:
         check_globs_match("model.freeze", cfg.model.freeze, params, "parameter")
-    if cfg.fp8.skip and cfg.fp8.recipe != "none":
+    if cfg.fp8.skip:  # (_check_fp8 refused fp8.skip without a recipe)
         check_globs_match("fp8.skip", cfg.fp8.skip, modules, "module")
 
 

@@ -169,10 +169,9 @@ def _train(cfg) -> int:
             print(f"fp8.skip: {len(kept)} module(s) stay in {cfg.precision.compute_dtype}: {', '.join(kept[:4])}"
                   f"{' ...' if len(kept) > 4 else ''}", flush=True)
 
-    # Validation allows full-iteration graphs with megatron_fsdp only.
-    graph_mode = {"cuda_graph": True} if cfg.train.cuda_graph == "full_iteration" else {}
     engine = get_engine(cfg.engine.name, engine_cfg=cfg.engine, sharding_cfg=cfg.sharding,
-                        precision_cfg=cfg.precision, dims=dims, mesh=mesh, device=device, **graph_mode)
+                        precision_cfg=cfg.precision, dims=dims, mesh=mesh, device=device,
+                        cuda_graph=cfg.train.cuda_graph == "full_iteration")
     model = engine.shard(model, spec, init_on_meta=cfg.model.init_on_meta)
     forward_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.optim, fused_ok=device.type == "cuda")

@@ -22,7 +22,7 @@ def test_fp8_skip_wraps_matching_modules_only():
     model.add_module("lm_head", torch.nn.Linear(4, 4))
     before = {name: m.forward for name, m in model.named_modules()}
     assert apply_fp8_skip(model, ["lm_head", "0"]) == ["0", "lm_head"]
-    assert model.lm_head.forward is not before["lm_head"]
+    assert "forward" in vars(model.lm_head) and model.lm_head.forward != before["lm_head"]  # wrapped per instance
     assert model[1].forward == before["1"]
 
 

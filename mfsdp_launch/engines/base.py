@@ -14,13 +14,16 @@ import torch.distributed as dist
 class Engine(ABC):
     name = "base"
 
-    def __init__(self, *, engine_cfg, sharding_cfg, precision_cfg, dims, mesh, device: torch.device):
+    def __init__(self, *, engine_cfg, sharding_cfg, precision_cfg, dims, mesh, device: torch.device,
+                 cuda_graph: bool = False):
         self.engine_cfg = engine_cfg
         self.sharding_cfg = sharding_cfg
         self.precision_cfg = precision_cfg
         self.dims = dims
         self.mesh = mesh  # None on Megatron-FSDP's no-mesh path
         self.device = device
+        # train.cuda_graph=full_iteration; validation allows it with megatron_fsdp only.
+        self.cuda_graph_mode = bool(cuda_graph)
 
     @abstractmethod
     def shard(self, model: torch.nn.Module, spec, *, init_on_meta: bool) -> torch.nn.Module:

@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..optim import set_lr
 from ..precision import torch_dtype
 from ..schema import DTYPES, OUTER_STRATEGIES as OUTER, ZERO_STRATEGIES as ZERO
-from ..validate import check_megatron_sharding, check_no_mesh, normalize_strategy
+from ..validate import check_megatron_sharding, check_no_mesh, check_precision_dtypes, normalize_strategy
 from .base import Engine, local_tensor
 
 TE_EXTRA_STATE = "te_extra_state"
@@ -90,10 +90,7 @@ def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_en
     if not mesh_enabled:
         check_no_mesh(dims)
     pc = precision_cfg
-    for key in ("compute_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
-        value = getattr(pc, key)
-        if value is not None and value not in DTYPES:
-            raise ConfigError(f"precision.{key}", f"unknown dtype {value!r}", DTYPES)
+    check_precision_dtypes(pc, DTYPES)
     if zero == "no_shard":
         norm_group = "none"
     elif outer == "optim":
@@ -173,12 +170,8 @@ def _cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
 class MegatronFSDPEngine(Engine):
     name = "megatron_fsdp"
 
-    def __init__(self, *, engine_cfg, sharding_cfg, precision_cfg, dims, mesh, device: torch.device,
-                 cuda_graph: bool = False, **_ignored):
-        super().__init__(engine_cfg=engine_cfg, sharding_cfg=sharding_cfg, precision_cfg=precision_cfg,
-                         dims=dims, mesh=mesh, device=device)
-        # train.cuda_graph=full_iteration: read in shard and wrap_optimizer.
-        self.cuda_graph_mode = bool(cuda_graph)
+    def __init__(self, **engine_args):
+        super().__init__(**engine_args)
         self.plan: Optional[MegatronPlan] = None
         self._model = None
 

@@ -100,6 +100,7 @@ def test_te_fp8_delayed_checkpoint_round_trip():
     for d in case(job("te_ckpt", FP8_CKPT_MESH), "fp8-ckpt-delayed"):
         assert d["n_te_modules_with_state"] > 0, d
         assert d["history_restored"], d  # scales and amax histories equal those at save time
+        assert d["history_differs_without"], d  # control: without te_extra_state they do not come back
         for a, b in zip(d["resumed"], d["uninterrupted"]):
             assert abs(a - b) <= 1e-4 * abs(b), d
 
