@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .atomic_io import atomic_write
 from .errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -136,8 +137,6 @@ def list_step_dirs(ckpt_dir: str | os.PathLike) -> List[Tuple[int, Path]]:
 def inspect_checkpoint(step_dir: str | os.PathLike) -> Tuple[Optional[dict], Optional[str]]:
     """(manifest, None) for an intact committed checkpoint, else (None, what is wrong)."""
     step_dir = Path(step_dir)
-    if step_dir.name.endswith(TMP_SUFFIX):
-        return None, "an uncommitted save (.tmp)"
     mpath = step_dir / MANIFEST
     if not mpath.is_file():
         return None, f"missing {MANIFEST}"
@@ -274,7 +273,6 @@ def resolve_checkpoint(path: str | os.PathLike, *, step: Optional[int] = None,
 def require_step(ckpt_dir: Path, step: int, *, key: str = "checkpoint.load_step") -> Found:
     """The committed checkpoint `step` of `ckpt_dir`, or a ConfigError saying what is there."""
     target = Path(ckpt_dir) / step_name(step)
-    available = committed_steps(ckpt_dir)
     if target.is_dir():
         manifest, problem = inspect_checkpoint(target)
         if problem is None:
@@ -284,6 +282,7 @@ def require_step(ckpt_dir: Path, step: int, *, key: str = "checkpoint.load_step"
         state = f"{target} was never committed (only {target.name}{TMP_SUFFIX}, an interrupted save)"
     else:
         state = f"{target} does not exist"
+    available = committed_steps(ckpt_dir)  # validates every step directory: only for the message
     raise ConfigError(key, f"{step}: {state}; committed steps in {ckpt_dir}: {_steps_text(available)}",
                       _steps_text(available) if available else None)
 
@@ -356,10 +355,9 @@ def engine_section(cfg) -> dict:
     }
 
 
-def mesh_section(cfg, world_size: Optional[int] = None) -> dict:
+def mesh_section(cfg, world_size: int) -> dict:
     mesh = {k: _get(_get(cfg, "mesh"), k) for k in ("dp_outer", "dp_shard", "cp", "tp")}
-    if world_size is not None:
-        mesh["world_size"] = int(world_size)
+    mesh["world_size"] = int(world_size)
     return mesh
 
 
@@ -438,23 +436,13 @@ def incompatibilities(current: dict, manifest: dict, *, weights_only: bool) -> L
                     if sk in cur_m and sk in old_m and cur_m[sk] != old_m[sk]:
                         out.append((f"model.{sk}", cur_m[sk], old_m[sk]))
         if not weights_only and "freeze" in cur_m and "freeze" in old_m \
-                and _norm(cur_m["freeze"] or []) != _norm(old_m["freeze"] or []):
+                and _plain(cur_m["freeze"] or []) != _plain(old_m["freeze"] or []):
             out.append(("model.freeze", cur_m["freeze"], old_m["freeze"]))
     if not weights_only:
         ce, oe = (current.get("engine") or {}).get("name"), (manifest.get("engine") or {}).get("name")
         if ce and oe and ce != oe:
             out.append(("engine", ce, oe))
     return out
-
-
-def _norm(v):
-    if isinstance(v, tuple):
-        return [_norm(x) for x in v]
-    if isinstance(v, list):
-        return [_norm(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _norm(x) for k, x in v.items()}
-    return v
 
 
 def _flatten(d: Any, prefix: str = "") -> Dict[str, Any]:
@@ -474,15 +462,15 @@ def config_changes(current: dict, manifest: dict, *, limit: int = 12) -> List[st
     if isinstance(cur_cfg, dict) and isinstance(old_cfg, dict):
         a, b = _flatten(old_cfg), _flatten(cur_cfg)
         for k in sorted(set(a) | set(b)):
-            if _norm(a.get(k)) != _norm(b.get(k)):
+            if _plain(a.get(k)) != _plain(b.get(k)):
                 changes.append(f"{k} {a.get(k)!r} -> {b.get(k)!r}")
-    elif not (isinstance(cur_cfg, dict) and isinstance(old_cfg, dict)):
+    else:
         # No full configs recorded: the mesh and engine sections still show what changed.
         for section in ("mesh", "engine"):
             a = {k: v for k, v in (manifest.get(section) or {}).items() if k != "world_size"}
             b = {k: v for k, v in (current.get(section) or {}).items() if k != "world_size"}
             for k in sorted(set(a) & set(b)):
-                if _norm(a[k]) != _norm(b[k]):
+                if _plain(a[k]) != _plain(b[k]):
                     changes.append(f"{section}.{k} {a[k]!r} -> {b[k]!r}")
     old_ws = manifest.get("world_size", (manifest.get("mesh") or {}).get("world_size"))
     new_ws = (current.get("mesh") or {}).get("world_size")
@@ -533,13 +521,14 @@ def plan_resume(ck, ckpt_dir: str | os.PathLike) -> ResumePlan:
         if load_path:
             return loaded(resolve_checkpoint(load_path, step=int(load_step)), False)
         found = require_step(ckpt_dir, int(load_step))
-        newer = [s for s in committed_steps(ckpt_dir) if s > found.step]
+        # Only the directories above found.step need checking (committed_steps would check all).
+        newer = [s for s, p in list_step_dirs(ckpt_dir)
+                 if s > found.step and inspect_checkpoint(p)[1] is None]
         if newer:
             notes.append(f"checkpoint.load_step={found.step}: {', '.join(step_name(s) for s in newer)} in "
                          f"{ckpt_dir} are later; this run's first save removes them")
         return loaded(found, True)
 
-    own_found, own_damaged = find_latest(ckpt_dir)
     if resume == "never":
         if load_path:
             return loaded(resolve_checkpoint(load_path), False)
@@ -549,6 +538,7 @@ def plan_resume(ck, ckpt_dir: str | os.PathLike) -> ResumePlan:
             why += f" (the checkpoints in {ckpt_dir}, {', '.join(existing)}, are replaced as this run saves)"
         return ResumePlan("fresh", f"starting fresh: {why}", notes)
 
+    own_found, own_damaged = find_latest(ckpt_dir)
     if own_found is not None:
         for path, problem in own_damaged:
             notes.append(f"{path.name} is damaged ({problem}), falling back to {own_found.name}")
@@ -620,14 +610,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_atomic(path: Path, write) -> None:
+    """`write(file)` into `<path>.tmp`, fsync, rename to `path`, fsync the directory."""
+    # The fixed `.tmp` name: a crash's leftover is one that stale_tmp_entries removes.
+    atomic_write(path, write, tmp=str(path) + TMP_SUFFIX)
     _fsync_dir(path.parent)
+
+
+def saved_model_keys(md, *, path, key: str) -> Dict[str, str]:
+    """{name without wrapper prefixes: saved key without "model."} of a DCP checkpoint's metadata;
+    a ConfigError under `key` when two saved keys map to one name."""
+    from .engines.base import strip_prefixes
+
+    out: Dict[str, str] = {}
+    for k in md.state_dict_metadata:
+        if k.startswith("model."):
+            sub = k[len("model."):]
+            name = strip_prefixes(sub)
+            if name in out:
+                raise ConfigError(key, f"{path}: keys {sub!r} and another both map to {name!r}")
+            out[name] = sub
+    return out
 
 
 def _list_files(root: Path) -> List[dict]:
@@ -675,7 +678,6 @@ class CheckpointManager:
             quiet_single_process_warnings()
         self.last_save_seconds = 0.0
         self.last_blocked_seconds = 0.0
-        self.resumed_step: Optional[int] = None
         self.resumed_path: Optional[Path] = None
         self._have_steps: set = set()  # steps whose state is already on disk in self.dir
         self._pending: Optional[dict] = None
@@ -768,7 +770,6 @@ class CheckpointManager:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise CheckpointError(f"cannot load {path}: {type(exc).__name__}: {first}") from exc
         self.resumed_path = path
-        self.resumed_step = plan.step
         if plan.own and plan.kind == "resume":
             self._have_steps.add(plan.step)
         return result
@@ -882,24 +883,21 @@ class CheckpointManager:
         from .engines.base import strip_prefixes
 
         md = FileSystemReader(str(path)).read_metadata()
-        by_name = {}
-        for k in md.state_dict_metadata:
-            if k.startswith("model."):
-                sub = k[len("model."):]
-                by_name[strip_prefixes(sub)] = sub
+        by_name = saved_model_keys(md, path=path, key="checkpoint.load_path")
         ours = self.engine.state_dict(model, None)["model"]
-        request, missing = {}, []
+        request, missing, saved_of = {}, [], {}
         for k, v in ours.items():
             name = strip_prefixes(k)
             if name in by_name:
-                request[by_name[name]] = v
+                saved_of[k] = by_name[name]
+                request[saved_of[k]] = v
             elif isinstance(v, torch.Tensor):
                 missing.append(name)
         if missing:
             raise ConfigError("checkpoint.load_path", f"{path} has no weights for {', '.join(missing[:4])}"
                               + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""))
         dcp.load({"model": request}, checkpoint_id=str(path), process_group=self.pg)
-        loaded = {k: request[by_name[strip_prefixes(k)]] for k in ours if strip_prefixes(k) in by_name}
+        loaded = {k: request[saved] for k, saved in saved_of.items()}
         self.engine.load_state_dict(model, None, {"model": loaded})
 
     # -------------------------------------------------------------------- save
@@ -939,14 +937,14 @@ class CheckpointManager:
         tmp = self.dir / (step_name(step) + TMP_SUFFIX)
         started = time.perf_counter()
         pending = {"step": step, "tmp": tmp, "started": started, "future": None, "error": None,
-                   "done_at": None, "async": False}
+                   "done_at": None, "async": False, "train_state": None}
         self._have_steps.add(step)
         # Collective first (Megatron-FSDP's state_dict is one), then this rank's own files.
         state = self.engine.state_dict(model, optimizer)
         error = None
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            self._write_extras(tmp, step, scheduler, train_state)
+            pending["train_state"] = self._write_extras(tmp, step, scheduler, train_state)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         # Every rank must enter DCP's collectives, or none: agree on the local writes first.
@@ -1012,7 +1010,9 @@ class CheckpointManager:
             p["done_at"] = time.perf_counter()
         self._commit(p)
 
-    def _write_extras(self, tmp: Path, step: int, scheduler, train_state) -> None:
+    def _write_extras(self, tmp: Path, step: int, scheduler, train_state) -> Any:
+        """This rank's RNG file; on rank 0 also trainer.json (and scheduler.pt). Returns the train
+        state as written to trainer.json (None off rank 0), for the manifest."""
         import random
 
         import numpy as np
@@ -1026,13 +1026,9 @@ class CheckpointManager:
         name, keys, pos, has_gauss, gauss = np.random.get_state()
         rng["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(gauss))
         extra = {"rank": self.rank, "world_size": self.world_size, "step": step, "rng": rng}
-        path = tmp / f"extra_rank{self.rank}.pt"
-        with open(path, "wb") as f:
-            torch.save(extra, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomic(tmp / f"extra_rank{self.rank}.pt", lambda f: torch.save(extra, f))
         if self.rank != 0:
-            return
+            return None
         ts = train_state.state_dict() if train_state is not None else None
         trainer: Dict[str, Any] = {"step": step, "train_state": _plain(ts)}
         if isinstance(ts, dict):
@@ -1044,14 +1040,11 @@ class CheckpointManager:
             if _jsonable(sd):
                 trainer["scheduler"] = sd
             else:
-                with open(tmp / SCHEDULER_FILE, "wb") as f:
-                    torch.save(sd, f)
+                write_atomic(tmp / SCHEDULER_FILE, lambda f: torch.save(sd, f))
                 trainer["scheduler"] = None
                 trainer["scheduler_file"] = SCHEDULER_FILE
-        with open(tmp / TRAINER, "w") as f:
-            json.dump(trainer, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomic(tmp / TRAINER, lambda f: f.write(json.dumps(trainer, indent=1).encode()))
+        return trainer["train_state"]
 
     def _commit(self, p: dict) -> None:
         """Agree that every rank wrote its part, then rank 0 commits; all ranks return after it."""
@@ -1081,7 +1074,6 @@ class CheckpointManager:
     def _commit_rank0(self, p: dict) -> None:
         step, tmp = p["step"], p["tmp"]
         final = self.dir / step_name(step)
-        trainer = json.loads((tmp / TRAINER).read_text())
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -1096,13 +1088,14 @@ class CheckpointManager:
             "saved_at_unix": time.time(),
             "save_seconds": round(p["done_at"] - p["started"], 4),
             "async": p["async"],
-            "train_state": trainer.get("train_state"),
+            "train_state": p["train_state"],
             "resumed_from": str(self.resumed_path) if self.resumed_path else None,
             "files": _list_files(tmp),
         }
         if self.info.get("config") is not None:
             manifest["config"] = self.info["config"]
-        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        body = json.dumps(manifest, indent=1, default=str).encode()
+        write_atomic(tmp / MANIFEST, lambda f: f.write(body))
         old = None
         if final.exists():  # a step_<N> of an abandoned timeline: replaced only now
             old = self.dir / (final.name + ".old" + TMP_SUFFIX)
@@ -1118,7 +1111,7 @@ class CheckpointManager:
         _fsync_dir(self.dir)
         # Committed. What follows is housekeeping: its failures warn, they do not fail the save.
         try:
-            _write_atomic(self.dir / LATEST, (final.name + "\n").encode())
+            write_atomic(self.dir / LATEST, lambda f: f.write((final.name + "\n").encode()))
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             size = sum(f["bytes"] for f in manifest["files"])
@@ -1131,15 +1124,13 @@ class CheckpointManager:
                   file=sys.stderr, flush=True)
 
     def _versions(self) -> dict:
-        v = dict(self.info.get("versions") or {})
+        # Workers pass collect_versions(); it always sets mfsdp-launch, but torch is None for a
+        # torch without package metadata (a source build).
+        v = dict(self.info.get("versions") or collect_versions())
         if not v.get("torch"):
             import torch
 
             v["torch"] = torch.__version__
-        if not (v.get("mfsdp-launch") or v.get("mfsdp_launch")):
-            from . import __version__
-
-            v["mfsdp-launch"] = __version__
         return v
 
     def _remove_superseded(self, step: int) -> None:
@@ -1161,4 +1152,4 @@ def _hp(v):
     """Comparable form of an optimizer hyper-parameter (tensors -> floats, tuples -> lists)."""
     if hasattr(v, "item") and hasattr(v, "numel") and v.numel() == 1:
         return v.item()
-    return _norm(v)
+    return _plain(v)

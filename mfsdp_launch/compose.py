@@ -7,13 +7,13 @@ ranks see different configs.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from .atomic_io import atomic_write_text
 from .errors import ConfigError
 from .schema import Config
 
@@ -83,10 +83,7 @@ def load_frozen(path: str | Path) -> DictConfig:
 def save_frozen(cfg: DictConfig, run_dir: Path, overrides: Optional[List[str]] = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / FROZEN_CONFIG
-    # Per-process temp name: two nodes sharing a run dir may freeze the same config at once.
-    tmp = run_dir / f"{FROZEN_CONFIG}.{os.getpid()}.tmp"
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    tmp.replace(target)
+    atomic_write_text(target, OmegaConf.to_yaml(cfg, resolve=True))
     if overrides is not None:
         (run_dir / FROZEN_OVERRIDES).write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
     return target

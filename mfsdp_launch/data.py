@@ -66,10 +66,11 @@ import json
 import logging
 import os
 import sysconfig
-import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .atomic_io import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -383,22 +384,6 @@ def cache_dir_for(data_cfg: Any) -> str:
     return os.path.abspath(os.path.expanduser(str(d)))
 
 
-def _atomic_write(final: str, write_fn) -> None:
-    tmp = f"{final}.tmp.{os.getpid()}.{uuid.uuid4().hex[:12]}"
-    try:
-        with open(tmp, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _read_sidecar(meta_path: str, bin_path: str, dtype: np.dtype) -> Optional[Dict[str, Any]]:
     """The sidecar if it and the token file form a complete cache, else None."""
     try:
@@ -502,7 +487,7 @@ def build_token_cache(data_cfg: Any) -> Tuple[str, Dict[str, Any]]:
 
         n_tokens = int(arr.size)
 
-    _atomic_write(bin_path, write_tokens)
+    atomic_write(bin_path, write_tokens)
     meta = {
         "version": CACHE_FORMAT_VERSION,
         "n_tokens": int(n_tokens),
@@ -516,7 +501,7 @@ def build_token_cache(data_cfg: Any) -> Tuple[str, Dict[str, Any]]:
         "sources": [s[0] for s in sources],
     }
     payload = json.dumps(meta, indent=1).encode()
-    _atomic_write(meta_path, lambda f: f.write(payload))
+    atomic_write(meta_path, lambda f: f.write(payload))
     log.info("built token cache %s: %d tokens from %d files", bin_path, n_tokens, len(sources))
     return bin_path, meta
 

@@ -40,33 +40,32 @@ def read_model_state(ckpt: str | os.PathLike) -> tuple[Dict[str, "torch.Tensor"]
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .checkpoint import quiet_single_process_warnings, resolve_checkpoint
-    from .engines.base import strip_prefixes
+    from .checkpoint import quiet_single_process_warnings, resolve_checkpoint, saved_model_keys
 
     quiet_single_process_warnings()
 
     found = resolve_checkpoint(ckpt, key="CKPT_DIR")
     reader = FileSystemReader(str(found.path))
     md = reader.read_metadata()
-    request: Dict[str, torch.Tensor] = {}
-    for key, meta in md.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
-            request[key[len("model."):]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    if not request:
+    saved = {}  # {name: saved key} of the tensors only
+    for name, key in saved_model_keys(md, path=found.path, key="CKPT_DIR").items():
+        if isinstance(md.state_dict_metadata["model." + key], TensorStorageMetadata):
+            saved[name] = key
+    if not saved:
         raise ConfigError("CKPT_DIR", f"{found.path} holds no model tensors")
+    request: Dict[str, torch.Tensor] = {}
+    for key in saved.values():
+        meta = md.state_dict_metadata["model." + key]
+        request[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     dcp.load({"model": request}, storage_reader=reader, no_dist=True)
-    out: Dict[str, torch.Tensor] = {}
-    for key, t in request.items():
-        name = strip_prefixes(key)
-        if name in out:
-            raise ConfigError("CKPT_DIR", f"{found.path}: keys {key!r} and another both map to {name!r}")
-        out[name] = t
-    return out, found
+    return {name: request[key] for name, key in saved.items()}, found
 
 
 def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_saved",
            fmt: Optional[str] = None) -> dict:
     import torch
+
+    from .checkpoint import write_atomic
 
     if dtype not in DTYPES:
         raise ConfigError("--dtype", f"unknown dtype {dtype!r}", DTYPES)
@@ -87,14 +86,16 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_
         if target is not None and t.is_floating_point():
             t = t.to(target)
         tensors[k] = t.contiguous()
-    tmp = out.with_name(out.name + ".tmp")
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(tensors, str(tmp), metadata={"step": str(found.step), "source": str(found.path)})
+        meta = {"step": str(found.step), "source": str(found.path)}
+        # safetensors writes by path only: into the open tmp file's name. The fsync on that handle
+        # covers it (fsync syncs the file, not just what this handle wrote).
+        write = lambda f: save_file(tensors, f.name, metadata=meta)  # noqa: E731
     else:
-        torch.save(tensors, str(tmp))
-    os.replace(tmp, out)
+        write = lambda f: torch.save(tensors, f)  # noqa: E731
+    write_atomic(out, write)
     n_params = sum(t.numel() for t in tensors.values())
     return {"path": str(out), "step": found.step, "source": str(found.path), "tensors": len(tensors),
             "params": n_params, "format": fmt, "bytes": out.stat().st_size}

@@ -64,16 +64,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     overrides = [a for a in argv if a != "--cfg"]
     try:
         from .compose import compose
-        from .validate import validate
 
         cfg = compose(overrides)
         if in_worker_env():
             from .worker import run_as_external_worker
 
             return run_as_external_worker(cfg, overrides)
-        warnings = validate(cfg, check_hardware=not cfg.launcher.dry_run)
-        if not cfg.launcher.dry_run:
-            _preflight(cfg)
+        warnings = check(cfg)
     except ConfigError as exc:
         _eprint(f"mfsdp-train: error: {exc}")
         return 2
@@ -81,6 +78,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         from omegaconf import OmegaConf
 
         print(OmegaConf.to_yaml(cfg), end="")
+    return run_checked(cfg, warnings, overrides)
+
+
+def check(cfg) -> List[str]:
+    """Validate a composed config; returns its warnings, raises ConfigError."""
+    from .validate import validate
+
+    # A dry run is prepared on a machine that need not run it, and it resumes nothing.
+    warnings = validate(cfg, check_hardware=not cfg.launcher.dry_run)
+    if not cfg.launcher.dry_run:
+        _preflight(cfg)
+    return warnings
+
+
+def run_checked(cfg, warnings: List[str], overrides: List[str]) -> int:
+    """Show the dry run, or print the warnings and launch: a config that passed `check`."""
     if cfg.launcher.dry_run:
         from .dryrun import render
 
@@ -129,10 +142,14 @@ def worker_env(launcher_cfg) -> dict:
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // launcher_cfg.nproc_per_node)))
     env["MFSDP_LAUNCHER"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # The workers import this package the way the launcher did (source checkout or wheel).
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = package_root() + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def package_root() -> str:
+    """The folder holding this package (a source checkout or site-packages): put on the workers'
+    PYTHONPATH so that they import this package the way the launcher did."""
+    return str(Path(__file__).resolve().parent.parent)
 
 
 def launch(cfg, overrides: List[str]) -> int:

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .sweep import METRICS_FILE, read_json, read_metrics
+from .launch import _eprint
+from .sweep import (METRICS_FILE, STATUS_FILE, job_dirs_in, job_overrides, read_json, read_metrics,
+                    unescape_job_name, varying_overrides)
 
 PANELS = (
     ("loss", "loss", "loss"),
@@ -23,10 +25,6 @@ PANELS = (
     ("peak_mem_gib", "peak memory (GiB)", "memory"),
 )
 NO_MFU = "n/a (no device peak)"
-
-
-def _eprint(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class ReportError(Exception):
@@ -43,20 +41,12 @@ def expand_runs(paths: List[str]) -> List[Path]:
         if (d / METRICS_FILE).is_file():
             runs.append(d)
             continue
-        from .sweep import job_dirs_in
-
+        # job_dirs_in also finds the runs of a plain folder (no job_status.json, just metrics).
         jobs = [j for j in job_dirs_in(d) if (j / METRICS_FILE).is_file()]
-        if not jobs:  # a plain folder of runs
-            jobs = sorted(j for j in d.iterdir() if j.is_dir() and (j / METRICS_FILE).is_file())
         if not jobs:
             raise ReportError(f"{p}: no {METRICS_FILE} here or in its subdirectories (is it a run or sweep dir?)")
         runs.extend(jobs)
-    seen, unique = set(), []
-    for r in runs:
-        if r not in seen:
-            seen.add(r)
-            unique.append(r)
-    return unique
+    return list(dict.fromkeys(runs))
 
 
 def labels_for(runs: List[Path]) -> List[str]:
@@ -64,12 +54,7 @@ def labels_for(runs: List[Path]) -> List[str]:
     else the path below their common parent."""
     if len(runs) == 1:
         return [runs[0].name]
-    from .sweep import _overrides_from_disk, varying_overrides
-
-    rows = []
-    for r in runs:
-        st = read_json(r / "job_status.json") or {}
-        rows.append({"overrides": list(st.get("overrides") or _overrides_from_disk(r))})
+    rows = [{"overrides": job_overrides(r, read_json(r / STATUS_FILE) or {})} for r in runs]
     _common, per_run = varying_overrides(rows)
     labels = [" ".join(o) for o in per_run]
     if all(labels) and len(set(labels)) == len(labels):
@@ -78,8 +63,7 @@ def labels_for(runs: List[Path]) -> List[str]:
         common = Path(os.path.commonpath([str(r) for r in runs]))
     except ValueError:
         return [str(r) for r in runs]
-    return [(str(r.relative_to(common)) if r != common else r.name).replace("%2F", "/").replace("%25", "%")
-            for r in runs]
+    return [unescape_job_name(str(r.relative_to(common)) if r != common else r.name) for r in runs]
 
 
 def _series(rows: List[dict], key: str) -> Tuple[List[int], List[float]]:
@@ -125,9 +109,8 @@ def _draw(ax, runs_rows, labels, key: str, ylabel: str, legend: bool) -> None:
         ax.legend(fontsize=7, loc="best")
 
 
-def plot(runs: List[Path], out: Path, plt) -> List[Path]:
-    runs_rows = [read_metrics(r) for r in runs]
-    labels = labels_for(runs)
+def plot(runs_rows: List[List[dict]], labels: List[str], out: Path, plt) -> List[Path]:
+    """The four panels in report.png, then one PNG each; one line per run."""
     written = []
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     for ax, (key, ylabel, _) in zip(axes.flat, PANELS):
@@ -138,14 +121,14 @@ def plot(runs: List[Path], out: Path, plt) -> List[Path]:
         if h:
             handles, names = h, n
             break
-    if len(runs) > 1 and handles:
+    if len(runs_rows) > 1 and handles:
         rows = (len(names) + 2) // 3
         fig.tight_layout(rect=(0, 0.03 * rows, 1, 0.97))
         fig.legend(handles, names, loc="lower center", ncol=min(3, len(names)), fontsize=8, frameon=False,
                    bbox_to_anchor=(0.5, 0.0))
     else:
         fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.suptitle(f"mfsdp-report: {len(runs)} run(s)", fontsize=10)
+    fig.suptitle(f"mfsdp-report: {len(runs_rows)} run(s)", fontsize=10)
     target = out / "report.png"
     fig.savefig(target, dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -165,12 +148,10 @@ def _num(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def summary_text(runs: List[Path]) -> str:
-    labels = labels_for(runs)
+def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str]) -> str:
     lines = []
-    for run, label in zip(runs, labels):
-        rows = read_metrics(run)
-        status = (read_json(run / "job_status.json") or {}).get("status")
+    for run, rows, label in zip(runs, runs_rows, labels):
+        status = (read_json(run / STATUS_FILE) or {}).get("status")
         if not rows:
             lines.append(f"{label}: no metrics")
             continue
@@ -219,8 +200,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     out = Path(args.out).expanduser() if args.out else Path(args.runs[0]).expanduser() / "report"
     out.mkdir(parents=True, exist_ok=True)
-    written = plot(runs, out, plt)
-    text = summary_text(runs)
+    runs_rows = [read_metrics(r) for r in runs]
+    labels = labels_for(runs)
+    written = plot(runs_rows, labels, out, plt)
+    text = summary_text(runs, runs_rows, labels)
     (out / "summary.txt").write_text(text)
     print(text, end="")
     print(f"mfsdp-report: wrote {', '.join(p.name for p in written)} and summary.txt to {out}")

@@ -16,13 +16,12 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from .atomic_io import atomic_write_text
+from .launch import _eprint, package_root
+
 SCRIPT_NAME = "sbatch.sh"
 JOB_ID_FILE = "slurm_job_id"
 DEFAULT_RDZV_PORT_BASE = 20000  # the port is derived from the job id: two jobs never share one
-
-
-def _eprint(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def gpus_per_node(cfg) -> Optional[int]:
@@ -35,13 +34,10 @@ def gpus_per_node(cfg) -> Optional[int]:
     return lc.nproc_per_node
 
 
-def sbatch_script(cfg, config_path: Path, *, python: Optional[str] = None, workdir: Optional[str] = None) -> str:
+def sbatch_script(cfg, config_path: Path) -> str:
     """The text of the sbatch script for this frozen config."""
     lc = cfg.launcher
     run_dir = Path(config_path).resolve().parent
-    python = python or sys.executable
-    workdir = workdir or os.getcwd()
-    pkg_root = str(Path(__file__).resolve().parent.parent)
     q = shlex.quote
 
     directives = [
@@ -74,7 +70,7 @@ def sbatch_script(cfg, config_path: Path, *, python: Optional[str] = None, workd
         ]
     rdzv_id = lc.rdzv_id or "$SLURM_JOB_ID"
     torchrun = [
-        f"{q(python)} -m torch.distributed.run",
+        f"{q(sys.executable)} -m torch.distributed.run",
         '--nnodes="$SLURM_NNODES"',
         f"--nproc-per-node={lc.nproc_per_node}",
         "--rdzv-backend=c10d",
@@ -91,8 +87,8 @@ def sbatch_script(cfg, config_path: Path, *, python: Optional[str] = None, workd
         *[f"#SBATCH {d}" for d in directives],
         "",
         "set -euo pipefail",
-        f"cd {q(workdir)}",
-        f'export PYTHONPATH={q(pkg_root)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        f"cd {q(os.getcwd())}",
+        f'export PYTHONPATH={q(package_root())}"${{PYTHONPATH:+:$PYTHONPATH}}"',
         "export MFSDP_LAUNCHER=1",
         "export PYTHONUNBUFFERED=1",
         *endpoint_lines,
@@ -110,10 +106,7 @@ def write_and_maybe_submit(cfg, config_path: Path) -> int:
     is needed but missing, sbatch's exit code if it refused the job."""
     run_dir = Path(config_path).resolve().parent
     script = run_dir / SCRIPT_NAME
-    tmp = run_dir / f".{SCRIPT_NAME}.{os.getpid()}.tmp"
-    tmp.write_text(sbatch_script(cfg, config_path))
-    tmp.chmod(0o755)
-    tmp.replace(script)
+    atomic_write_text(script, sbatch_script(cfg, config_path), mode=0o755)
     lc = cfg.launcher
     print(f"mfsdp-train: wrote {script} ({lc.nnodes} node(s) x {lc.nproc_per_node} processes)", flush=True)
     if not lc.submit:

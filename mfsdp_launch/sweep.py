@@ -33,7 +33,10 @@ import traceback
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
+from .atomic_io import atomic_write_text
+from .checkpoint import checkpoints_dir, find_latest
 from .errors import ConfigError
+from .launch import _eprint
 
 STATUS_FILE = "job_status.json"
 DONE_FILE = "DONE"
@@ -46,10 +49,6 @@ OK_STATUSES = ("done", "skipped", "dry_run", "submitted", "written")
 
 # Per-process sweep state: a job stopped on request (Ctrl-C, STOP file) stops the whole sweep.
 _STATE = {"stop": False, "started": 0}
-
-
-def _eprint(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -182,6 +181,11 @@ def job_dir(hydra_node) -> Path:
     return base / safe
 
 
+def unescape_job_name(name: str) -> str:
+    """Undo `job_dir`'s escapes of '/' and '%'."""
+    return name.replace("%2F", "/").replace("%25", "%")
+
+
 def _tidy_hydra_dir(hydra_node, ours: Path) -> None:
     """Hydra made `<sweep>/<override_dirname>` itself; when that is not our (escaped) job dir,
     remove the empty directories it left, never anything with files in it."""
@@ -253,20 +257,14 @@ def sweep_job(cfg) -> dict:
 
 def _run_job(job_cfg, overrides: List[str], jdir: Path, finish) -> dict:
     from . import launch as launch_mod
-    from .validate import validate
 
     dry = job_cfg.launcher.dry_run
-    warnings = validate(job_cfg, check_hardware=not dry)
+    warnings = launch_mod.check(job_cfg)  # also resume compatibility with what the job dir holds
+    if not dry:
+        (jdir / DONE_FILE).unlink(missing_ok=True)  # a stale marker for fewer steps
+    rc = launch_mod.run_checked(job_cfg, warnings, overrides)
     if dry:
-        from .dryrun import render
-
-        render(job_cfg, warnings)
         return finish("dry_run", exit_code=0)
-    launch_mod._preflight(job_cfg)  # resume compatibility with what the job dir holds
-    for w in warnings:
-        _eprint(f"mfsdp-train: warning: {w}")
-    (jdir / DONE_FILE).unlink(missing_ok=True)  # a stale marker for fewer steps
-    rc = launch_mod.launch(job_cfg, overrides)
     if job_cfg.launcher.kind == "slurm":
         return finish(("submitted" if job_cfg.launcher.submit else "written") if rc == 0 else "failed",
                       exit_code=rc)
@@ -295,9 +293,7 @@ def _first_line(text: str) -> str:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def _write_done(jdir: Path, step: int, train_steps: int) -> None:
@@ -319,25 +315,8 @@ def final_checkpoint_step(run_dir: Path) -> Optional[int]:
     """Step of the newest intact committed checkpoint in `run_dir/checkpoints` (the resume point
     the checkpoint module would pick: a `step_<N>` dir whose manifest lists files that are all
     there), or None."""
-    try:
-        from .checkpoint import checkpoints_dir, find_latest
-    except ImportError:  # pragma: no cover - the checkpoint module is part of the package
-        return _latest_pointer_step(Path(run_dir) / "checkpoints")
     found, _damaged = find_latest(checkpoints_dir(run_dir))
     return found.step if found is not None else None
-
-
-def _latest_pointer_step(ckpts: Path) -> Optional[int]:
-    try:
-        name = (ckpts / "latest").read_text().strip()
-    except OSError:
-        return None
-    if not name.startswith("step_") or not (ckpts / name / "manifest.json").is_file():
-        return None
-    try:
-        return int(name[len("step_"):])
-    except ValueError:
-        return None
 
 
 def finished_step(run_dir: Path, train_steps: int) -> Optional[int]:
@@ -372,9 +351,10 @@ def last_metrics(run_dir: Path) -> Optional[dict]:
     return rows[-1] if rows else None
 
 
-def reached_step(run_dir: Path) -> Optional[int]:
-    """How far a run got: its last logged step or its newest checkpoint, whichever is later."""
-    row = last_metrics(run_dir)
+def reached_step(run_dir: Path, last_row: Optional[dict] = None) -> Optional[int]:
+    """How far a run got: its last logged step or its newest checkpoint, whichever is later.
+    `last_row`: its last metrics row, when the caller has read it already ({} for none)."""
+    row = last_metrics(run_dir) if last_row is None else last_row
     steps = [s for s in ((row or {}).get("step"), final_checkpoint_step(run_dir)) if s is not None]
     return max(steps) if steps else None
 
@@ -404,17 +384,14 @@ def job_row(jdir: Path) -> dict:
     jdir = Path(jdir)
     st = read_json(jdir / STATUS_FILE) or {}
     last = last_metrics(jdir) or {}
-    overrides = st.get("overrides")
-    if overrides is None:
-        overrides = _overrides_from_disk(jdir)
     status = st.get("status") or ("unknown" if last else "not_run")
     steps = st.get("train_steps")
-    step = reached_step(jdir) if jdir.is_dir() else None
+    step = reached_step(jdir, last) if jdir.is_dir() else None
     if status in ("running", "submitted", "written", "unknown") and steps and step is not None and step >= steps:
         status = "done"  # finished after this record was written (a plugin or SLURM ran it)
     return {
         "job": st.get("job_num"),
-        "overrides": list(overrides),
+        "overrides": job_overrides(jdir, st),
         "status": status,
         "exit_code": st.get("exit_code"),
         "step": step,
@@ -428,13 +405,19 @@ def job_row(jdir: Path) -> dict:
     }
 
 
-def _overrides_from_disk(jdir: Path) -> List[str]:
+def job_overrides(jdir: Path, status: dict) -> List[str]:
+    """A job's overrides: those its status file records, else those its run dir was frozen
+    with, else those its directory name spells."""
+    if status.get("overrides") is not None:
+        return list(status["overrides"])
     try:
         from omegaconf import OmegaConf
 
-        return [str(o) for o in OmegaConf.load(str(jdir / "overrides.yaml"))]
+        from .compose import FROZEN_OVERRIDES
+
+        return [str(o) for o in OmegaConf.load(str(jdir / FROZEN_OVERRIDES))]
     except Exception:
-        return [p.replace("%2F", "/").replace("%25", "%") for p in jdir.name.split(",")]
+        return [unescape_job_name(p) for p in jdir.name.split(",")]
 
 
 def _split_override(o: str):
@@ -482,14 +465,15 @@ def _display_rows(rows: List[dict]) -> tuple[List[str], List[List[str]]]:
     return common, table
 
 
-def summarize(job_dirs: Iterable[Path], sweep_dir: Path, console=None) -> List[dict]:
+def summarize(job_dirs: Iterable[Path], sweep_dir: Path) -> List[dict]:
     """Rows for these job dirs; printed as a table and written to sweep_summary.csv/.md."""
     rows = [job_row(Path(d)) for d in job_dirs]
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, sweep_dir / SUMMARY_CSV)
-    (sweep_dir / SUMMARY_MD).write_text(to_markdown(rows, sweep_dir))
-    print_table(rows, sweep_dir, console)
+    common, table = _display_rows(rows)
+    (sweep_dir / SUMMARY_MD).write_text(to_markdown(rows, common, table, sweep_dir))
+    print_table(rows, common, table, sweep_dir)
     return rows
 
 
@@ -503,8 +487,7 @@ def write_csv(rows: List[dict], path: Path) -> None:
     path.write_text(buf.getvalue())
 
 
-def to_markdown(rows: List[dict], sweep_dir: Path) -> str:
-    common, table = _display_rows(rows)
+def to_markdown(rows: List[dict], common: List[str], table: List[List[str]], sweep_dir: Path) -> str:
     lines = [f"# Sweep summary: {sweep_dir}", ""]
     if common:
         lines += ["Common overrides: `" + " ".join(common) + "`", ""]
@@ -523,13 +506,12 @@ def _counts(rows: List[dict]) -> str:
     return f"{len(rows)} job(s): " + ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
-def print_table(rows: List[dict], sweep_dir: Path, console=None) -> None:
+def print_table(rows: List[dict], common: List[str], table: List[List[str]], sweep_dir: Path) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    common, table = _display_rows(rows)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     t = Table(title=f"sweep summary ({sweep_dir})", box=box.SIMPLE_HEAD)
     for key, header in DISPLAY:
         t.add_column(header, justify="left" if key in ("overrides", "status") else "right")

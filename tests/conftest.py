@@ -22,13 +22,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cli_env() -> dict:
+    """The environment of a user's shell running this checkout's CLI."""
+    # A user's shell is not inside a job: drop any rank/rendezvous variables the test process has.
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and not k.startswith("SLURM_")
+           and not k.startswith("TORCHELASTIC_")}
+    env.setdefault("MFSDP_CACHE_DIR", str(ROOT / ".pytest_cache" / "tokens"))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def cli(*args: str, cwd=None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
     """Run `python -m mfsdp_launch ARGS` the way a user would, capturing its output."""
-    # A user's shell is not inside a job: drop any rank/rendezvous variables the test process has.
-    full_env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and not k.startswith("SLURM_")
-                and not k.startswith("TORCHELASTIC_")}
-    full_env.setdefault("MFSDP_CACHE_DIR", str(ROOT / ".pytest_cache" / "tokens"))
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env = cli_env()
     if env:
         full_env.update(env)
     return subprocess.run([sys.executable, "-m", "mfsdp_launch", *args], cwd=cwd or ROOT, env=full_env,

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli, free_port
+from conftest import ROOT, cli, cli_env, free_port
 
 SMALL = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
          "train.grad_accum_steps=1", "train.micro_batch_size=2"]
@@ -43,16 +42,9 @@ def test_more_than_one_node_needs_a_rendezvous_endpoint():
                                 "(allowed: host:port of node 0, the same on every node)")
 
 
-def _env():
-    env = dict(os.environ)
-    env.setdefault("MFSDP_CACHE_DIR", str(ROOT / ".pytest_cache" / "tokens"))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _start(args, log: Path):
     f = open(log, "w")
-    return subprocess.Popen([sys.executable, "-m", "mfsdp_launch", *args], cwd=ROOT, env=_env(),
+    return subprocess.Popen([sys.executable, "-m", "mfsdp_launch", *args], cwd=ROOT, env=cli_env(),
                             stdout=f, stderr=subprocess.STDOUT, text=True), f
 
 
