@@ -13,13 +13,12 @@ from typing import Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from . import rundir
 from .atomic_io import atomic_write_text
 from .errors import ConfigError
 from .schema import Config
 
 SCHEMA_NAME = "mfsdp_schema"
-FROZEN_CONFIG = "config.yaml"
-FROZEN_OVERRIDES = "overrides.yaml"
 
 
 def config_dir() -> Path:
@@ -82,10 +81,10 @@ def load_frozen(path: str | Path) -> DictConfig:
 
 def save_frozen(cfg: DictConfig, run_dir: Path, overrides: Optional[List[str]] = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / FROZEN_CONFIG
+    target = run_dir / rundir.CONFIG
     atomic_write_text(target, OmegaConf.to_yaml(cfg, resolve=True))
     if overrides is not None:
-        (run_dir / FROZEN_OVERRIDES).write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+        (run_dir / rundir.OVERRIDES).write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
     return target
 
 

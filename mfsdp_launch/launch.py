@@ -1,8 +1,5 @@
-"""`mfsdp-train`: compose once, validate, freeze the config into run.dir, then hand off to torchrun.
-
-Under an existing torchrun/SLURM job the same command acts as a worker instead. Nothing here
-imports torch, so `--help`, bad input and dry runs answer fast.
-"""
+"""Launch a composed config: validate it, freeze it into run.dir, then hand off to torchrun (or
+write an sbatch script). Shared by the CLI and by sweep jobs. Imports no torch."""
 
 from __future__ import annotations
 
@@ -12,73 +9,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
-from .errors import ConfigError
-
-STOP_FILE = "STOP"  # touched in run.dir to ask the workers to checkpoint and exit
-
-HELP = """\
-usage: mfsdp-train [+recipe=NAME] [key=value ...] [-m key=a,b ...]
-
-Compose a training config (Hydra groups + recipes + overrides), validate it, and launch it
-with torchrun. Examples:
-  mfsdp-train +recipe=cpu_smoke                          tiny GPT on CPU, 2 processes
-  mfsdp-train +recipe=hfsdp_fp8 mesh.dp_shard=8 train.steps=2000
-  mfsdp-train +recipe=cpu_smoke launcher.dry_run=true    print mesh, ranks, memory; run nothing
-  mfsdp-train -m +recipe=cpu_smoke optim.lr=1e-3,3e-3    a sweep: one torchrun job per point
-
-config groups: engine=fsdp2|megatron_fsdp  model=gpt|te_gpt|toy_cnn|toy_transformer|
-  te_toy_transformer  data=synthetic|text  launcher=torchrun|slurm  +recipe=<name>
-main keys: mesh.{dp_outer,dp_shard,cp,tp}  sharding.{zero_dp_strategy,outer_dp_sharding_strategy}
-  precision.{compute_dtype,main_params_dtype,main_grads_dtype,grad_comm_dtype}  fp8.recipe
-  train.{steps,micro_batch_size,grad_accum_steps,seq_len,compile,...}  optim.*  checkpoint.*
-  run.{name,dir}  launcher.{nproc_per_node,nnodes,node_rank,rdzv_endpoint,dry_run}
-Show every key and its value: mfsdp-train <overrides> launcher.dry_run=true --cfg
-Exit codes: 0 done, 2 bad config (one line naming the key), other: the training job failed.
-"""
-
-
-def _eprint(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def in_worker_env() -> bool:
-    """True under torchrun (or srun) started by someone else: then we are a rank, not a launcher."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return True
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ and \
-        os.environ.get("MFSDP_LAUNCHER") is None
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(HELP, end="")
-        return 0
-    if any(a in ("-m", "--multirun") for a in argv):
-        from .sweep import run_sweep
-
-        return run_sweep(argv)
-    show_cfg = "--cfg" in argv
-    overrides = [a for a in argv if a != "--cfg"]
-    try:
-        from .compose import compose
-
-        cfg = compose(overrides)
-        if in_worker_env():
-            from .worker import run_as_external_worker
-
-            return run_as_external_worker(cfg, overrides)
-        warnings = check(cfg)
-    except ConfigError as exc:
-        _eprint(f"mfsdp-train: error: {exc}")
-        return 2
-    if show_cfg:
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(cfg), end="")
-    return run_checked(cfg, warnings, overrides)
+from . import rundir
+from .console import eprint
 
 
 def check(cfg) -> List[str]:
@@ -100,7 +34,7 @@ def run_checked(cfg, warnings: List[str], overrides: List[str]) -> int:
         render(cfg, warnings)
         return 0
     for w in warnings:
-        _eprint(f"mfsdp-train: warning: {w}")
+        eprint(f"mfsdp-train: warning: {w}")
     return launch(cfg, overrides)
 
 
@@ -117,7 +51,7 @@ def prepare_run_dir(cfg, overrides: List[str]) -> Path:
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)
     path = save_frozen(cfg, run_dir, overrides)
-    (run_dir / STOP_FILE).unlink(missing_ok=True)
+    (run_dir / rundir.STOP).unlink(missing_ok=True)
     return path
 
 
@@ -162,7 +96,7 @@ def launch(cfg, overrides: List[str]) -> int:
     cmd = torchrun_command(cfg.launcher, config_path)
     print(f"mfsdp-train: {cfg.launcher.nnodes}x{cfg.launcher.nproc_per_node} ranks, run.dir={run_dir}",
           flush=True)
-    with open(run_dir / "launch_cmd.txt", "w") as f:
+    with open(run_dir / rundir.LAUNCH_CMD, "w") as f:
         f.write(shlex.join(cmd) + "\n")
     # Its own session: a Ctrl-C reaches only us; we turn it into a graceful stop request.
     proc = subprocess.Popen(cmd, env=worker_env(cfg.launcher), start_new_session=True)
@@ -171,11 +105,11 @@ def launch(cfg, overrides: List[str]) -> int:
     def on_signal(signum, _frame):
         requests["n"] += 1
         if requests["n"] == 1:
-            (run_dir / STOP_FILE).touch()
-            _eprint(f"mfsdp-train: {signal.Signals(signum).name}: finishing the step, saving a "
+            (run_dir / rundir.STOP).touch()
+            eprint(f"mfsdp-train: {signal.Signals(signum).name}: finishing the step, saving a "
                     "checkpoint and stopping (signal again to abort)")
         else:
-            _eprint("mfsdp-train: aborting")
+            eprint("mfsdp-train: aborting")
             os.killpg(proc.pid, signal.SIGTERM)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -190,5 +124,5 @@ def launch(cfg, overrides: List[str]) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     if rc != 0:
-        _eprint(f"mfsdp-train: training failed (torchrun exit code {rc}); logs above, run.dir={run_dir}")
+        eprint(f"mfsdp-train: training failed (torchrun exit code {rc}); logs above, run.dir={run_dir}")
     return rc

@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
+from . import rundir
 from .hardware import peak_tflops_for
 
-METRICS_FILE = "metrics.jsonl"
 
 
 def device_peak_tflops(device: torch.device, configured: Optional[float]) -> tuple[Optional[float], str]:
@@ -40,7 +40,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = False, start_step: int = 0):
         self.enabled = enabled
-        self.path = Path(run_dir) / METRICS_FILE
+        self.path = Path(run_dir) / rundir.METRICS
         self._tb = None
         if enabled:
             self._drop_rows_after(start_step)

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .launch import _eprint
-from .sweep import (METRICS_FILE, STATUS_FILE, job_dirs_in, job_overrides, read_json, read_metrics,
+from . import rundir
+from .console import eprint
+from .sweep import (job_dirs_in, job_overrides, read_json, read_metrics,
                     unescape_job_name, varying_overrides)
 
 PANELS = (
@@ -38,13 +39,13 @@ def expand_runs(paths: List[str]) -> List[Path]:
         d = Path(p).expanduser().resolve()
         if not d.is_dir():
             raise ReportError(f"{p}: not a directory")
-        if (d / METRICS_FILE).is_file():
+        if (d / rundir.METRICS).is_file():
             runs.append(d)
             continue
         # job_dirs_in also finds the runs of a plain folder (no job_status.json, just metrics).
-        jobs = [j for j in job_dirs_in(d) if (j / METRICS_FILE).is_file()]
+        jobs = [j for j in job_dirs_in(d) if (j / rundir.METRICS).is_file()]
         if not jobs:
-            raise ReportError(f"{p}: no {METRICS_FILE} here or in its subdirectories (is it a run or sweep dir?)")
+            raise ReportError(f"{p}: no {rundir.METRICS} here or in its subdirectories (is it a run or sweep dir?)")
         runs.extend(jobs)
     return list(dict.fromkeys(runs))
 
@@ -54,7 +55,7 @@ def labels_for(runs: List[Path]) -> List[str]:
     else the path below their common parent."""
     if len(runs) == 1:
         return [runs[0].name]
-    rows = [{"overrides": job_overrides(r, read_json(r / STATUS_FILE) or {})} for r in runs]
+    rows = [{"overrides": job_overrides(r, read_json(r / rundir.JOB_STATUS) or {})} for r in runs]
     _common, per_run = varying_overrides(rows)
     labels = [" ".join(o) for o in per_run]
     if all(labels) and len(set(labels)) == len(labels):
@@ -129,7 +130,7 @@ def plot(runs_rows: List[List[dict]], labels: List[str], out: Path, plt) -> List
     else:
         fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.suptitle(f"mfsdp-report: {len(runs_rows)} run(s)", fontsize=10)
-    target = out / "report.png"
+    target = out / rundir.REPORT_PNG
     fig.savefig(target, dpi=100, bbox_inches="tight")
     plt.close(fig)
     written.append(target)
@@ -151,7 +152,7 @@ def _num(values: List[float]) -> Optional[float]:
 def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str]) -> str:
     lines = []
     for run, rows, label in zip(runs, runs_rows, labels):
-        status = (read_json(run / STATUS_FILE) or {}).get("status")
+        status = (read_json(run / rundir.JOB_STATUS) or {}).get("status")
         if not rows:
             lines.append(f"{label}: no metrics")
             continue
@@ -192,11 +193,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         runs = expand_runs(args.runs)
     except ReportError as exc:
-        _eprint(f"mfsdp-report: error: {exc}")
+        eprint(f"mfsdp-report: error: {exc}")
         return 2
     plt = _import_pyplot()
     if plt is None:
-        _eprint("mfsdp-report: error: matplotlib is not installed (pip install 'mfsdp-launch[report]')")
+        eprint("mfsdp-report: error: matplotlib is not installed (pip install 'mfsdp-launch[report]')")
         return 2
     out = Path(args.out).expanduser() if args.out else Path(args.runs[0]).expanduser() / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     labels = labels_for(runs)
     written = plot(runs_rows, labels, out, plt)
     text = summary_text(runs, runs_rows, labels)
-    (out / "summary.txt").write_text(text)
+    (out / rundir.REPORT_SUMMARY).write_text(text)
     print(text, end="")
     print(f"mfsdp-report: wrote {', '.join(p.name for p in written)} and summary.txt to {out}")
     return 0

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import List, Optional
 
 from .atomic_io import atomic_write_text
-from .launch import _eprint, package_root
+from . import rundir
+from .console import eprint
+from .launch import package_root
 
-SCRIPT_NAME = "sbatch.sh"
-JOB_ID_FILE = "slurm_job_id"
 DEFAULT_RDZV_PORT_BASE = 20000  # the port is derived from the job id: two jobs never share one
 
 
@@ -81,7 +81,7 @@ def sbatch_script(cfg, config_path: Path) -> str:
     ]
     lines = [
         "#!/bin/bash",
-        f"# Written by mfsdp-train for run {cfg.run.name!r}. Submit it with: sbatch {run_dir / SCRIPT_NAME}",
+        f"# Written by mfsdp-train for run {cfg.run.name!r}. Submit it with: sbatch {run_dir / rundir.SBATCH_SCRIPT}",
         "# run.dir must be on a filesystem every node sees: the workers read its config.yaml and",
         "# write checkpoints there. Re-submitting the script resumes from the newest checkpoint.",
         *[f"#SBATCH {d}" for d in directives],
@@ -105,7 +105,7 @@ def write_and_maybe_submit(cfg, config_path: Path) -> int:
     """Write `run.dir/sbatch.sh`; submit it if launcher.submit=true. 0 on success, 2 when sbatch
     is needed but missing, sbatch's exit code if it refused the job."""
     run_dir = Path(config_path).resolve().parent
-    script = run_dir / SCRIPT_NAME
+    script = run_dir / rundir.SBATCH_SCRIPT
     atomic_write_text(script, sbatch_script(cfg, config_path), mode=0o755)
     lc = cfg.launcher
     print(f"mfsdp-train: wrote {script} ({lc.nnodes} node(s) x {lc.nproc_per_node} processes)", flush=True)
@@ -115,16 +115,16 @@ def write_and_maybe_submit(cfg, config_path: Path) -> int:
         return 0
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        _eprint(f"mfsdp-train: error: launcher.submit: sbatch not found on PATH; run "
+        eprint(f"mfsdp-train: error: launcher.submit: sbatch not found on PATH; run "
                 f"`sbatch {script}` on a SLURM login node (allowed: false)")
         return 2
     proc = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
     if proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip().splitlines()
-        _eprint(f"mfsdp-train: error: sbatch refused the job (exit code {proc.returncode}): "
+        eprint(f"mfsdp-train: error: sbatch refused the job (exit code {proc.returncode}): "
                 f"{msg[-1] if msg else 'no message'}")
         return proc.returncode
     job_id = proc.stdout.strip().split(";")[0]
-    (run_dir / JOB_ID_FILE).write_text(job_id + "\n")
+    (run_dir / rundir.SLURM_JOB_ID).write_text(job_id + "\n")
     print(f"mfsdp-train: submitted SLURM job {job_id}; log: {run_dir}/slurm-{job_id}.out", flush=True)
     return 0

@@ -36,13 +36,10 @@ from typing import Dict, Iterable, List, Optional
 from .atomic_io import atomic_write_text
 from .checkpoint import checkpoints_dir, find_latest
 from .errors import ConfigError
-from .launch import _eprint
+from . import launch, rundir
+from .console import eprint
 
-STATUS_FILE = "job_status.json"
-DONE_FILE = "DONE"
-SUMMARY_CSV = "sweep_summary.csv"
 SUMMARY_MD = "sweep_summary.md"
-METRICS_FILE = "metrics.jsonl"  # metrics.METRICS_FILE, without importing torch here
 
 # Statuses a job can end with; the sweep exits 0 only if every job ended in OK_STATUSES.
 OK_STATUSES = ("done", "skipped", "dry_run", "submitted", "written")
@@ -67,7 +64,7 @@ def run_sweep(argv: List[str]) -> int:
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
     flags = [a for a in overrides if a.startswith("-")]
     if flags:
-        _eprint(f"mfsdp-train: error: {flags[0]}: not supported with -m/--multirun "
+        eprint(f"mfsdp-train: error: {flags[0]}: not supported with -m/--multirun "
                 "(allowed: key=value overrides; launcher.dry_run=true shows each job)")
         return 2
 
@@ -86,21 +83,21 @@ def run_sweep(argv: List[str]) -> int:
             sweep_dir = _abs(str(sweep_cfg.hydra.sweep.dir), sweep_cfg.hydra.runtime.cwd)
             n_jobs = _prevalidate(hydra, sweep_cfg)
         except Exception as exc:  # Hydra/OmegaConf raise many types; all mean bad input here
-            _eprint(f"mfsdp-train: error: {config_error_from(exc)}")
+            eprint(f"mfsdp-train: error: {config_error_from(exc)}")
             return 2
         print(f"mfsdp-train: sweep{f' of {n_jobs} jobs' if n_jobs else ''} into {sweep_dir}", flush=True)
         try:
             returns = hydra.multirun(config_name="config", task_function=sweep_job, overrides=overrides)
         except KeyboardInterrupt:
             interrupted = True
-            _eprint("mfsdp-train: sweep interrupted; re-run the same command to resume it")
+            eprint("mfsdp-train: sweep interrupted; re-run the same command to resume it")
         except Exception as exc:
             if n_jobs is None and _STATE["started"] == 0 and not job_dirs_in(sweep_dir):
                 # Another sweeper composes the jobs itself, before launching any: bad values end up here.
-                _eprint(f"mfsdp-train: error: {config_error_from(exc)}")
+                eprint(f"mfsdp-train: error: {config_error_from(exc)}")
                 return 2
             # E.g. a launcher plugin whose job was killed (timeout, preemption): its JobReturn raises.
-            _eprint(f"mfsdp-train: sweep aborted: {type(exc).__name__}: {_first_line(str(exc))}")
+            eprint(f"mfsdp-train: sweep aborted: {type(exc).__name__}: {_first_line(str(exc))}")
             aborted = True
     finally:
         GlobalHydra.instance().clear()
@@ -224,7 +221,7 @@ def sweep_job(cfg) -> dict:
     def finish(state: str, exit_code: Optional[int] = None, error: Optional[str] = None, **extra) -> dict:
         status.update(status=state, exit_code=exit_code, error=error, finished=_now(),
                       duration_s=round(time.time() - t0, 3), **extra)
-        _write_json(jdir / STATUS_FILE, status)
+        _write_json(jdir / rundir.JOB_STATUS, status)
         return {"status": state, "exit_code": exit_code, "run_dir": str(jdir), "error": error}
 
     if _STATE["stop"]:
@@ -244,39 +241,38 @@ def sweep_job(cfg) -> dict:
             return finish("skipped", exit_code=0, final_step=done)
         _STATE["started"] += 1
         print(f"mfsdp-train: sweep job #{num} {label}: run.dir={jdir}", flush=True)
-        _write_json(jdir / STATUS_FILE, status)
+        _write_json(jdir / rundir.JOB_STATUS, status)
         return _run_job(job_cfg, overrides, jdir, finish)
     except ConfigError as exc:
-        _eprint(f"mfsdp-train: sweep job #{num} {label}: error: {exc}")
+        eprint(f"mfsdp-train: sweep job #{num} {label}: error: {exc}")
         return finish("invalid", exit_code=2, error=str(exc))
     except Exception as exc:  # anything else: record it, keep sweeping
-        _eprint(f"mfsdp-train: sweep job #{num} {label}: failed: {type(exc).__name__}: {exc}")
+        eprint(f"mfsdp-train: sweep job #{num} {label}: failed: {type(exc).__name__}: {exc}")
         status["traceback"] = traceback.format_exc()
         return finish("failed", error=f"{type(exc).__name__}: {_first_line(str(exc))}")
 
 
 def _run_job(job_cfg, overrides: List[str], jdir: Path, finish) -> dict:
-    from . import launch as launch_mod
 
     dry = job_cfg.launcher.dry_run
-    warnings = launch_mod.check(job_cfg)  # also resume compatibility with what the job dir holds
+    warnings = launch.check(job_cfg)  # also resume compatibility with what the job dir holds
     if not dry:
-        (jdir / DONE_FILE).unlink(missing_ok=True)  # a stale marker for fewer steps
-    rc = launch_mod.run_checked(job_cfg, warnings, overrides)
+        (jdir / rundir.JOB_DONE).unlink(missing_ok=True)  # a stale marker for fewer steps
+    rc = launch.run_checked(job_cfg, warnings, overrides)
     if dry:
         return finish("dry_run", exit_code=0)
     if job_cfg.launcher.kind == "slurm":
         return finish(("submitted" if job_cfg.launcher.submit else "written") if rc == 0 else "failed",
                       exit_code=rc)
     step = reached_step(jdir)
-    stop_requested = (jdir / launch_mod.STOP_FILE).exists()  # left behind when a stop aborted the job
+    stop_requested = (jdir / rundir.STOP).exists()  # left behind when a stop aborted the job
     if rc == 0 and step is not None and step >= job_cfg.train.steps:
         _write_done(jdir, step, job_cfg.train.steps)
         return finish("done", exit_code=0, final_step=step)
     if rc == 0 or stop_requested:
         # Stopped on request before train.steps: the user wants the sweep to stop too.
         _STATE["stop"] = True
-        _eprint(f"mfsdp-train: job stopped at step {step} of {job_cfg.train.steps}; stopping the sweep "
+        eprint(f"mfsdp-train: job stopped at step {step} of {job_cfg.train.steps}; stopping the sweep "
                 "(re-run the same command to resume it)")
         return finish("stopped", exit_code=rc, final_step=step)
     return finish("failed", exit_code=rc, final_step=step,
@@ -297,7 +293,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _write_done(jdir: Path, step: int, train_steps: int) -> None:
-    _write_json(jdir / DONE_FILE, {"step": int(step), "train_steps": int(train_steps), "written": _now()})
+    _write_json(jdir / rundir.JOB_DONE, {"step": int(step), "train_steps": int(train_steps), "written": _now()})
 
 
 # --- what a run directory holds (also used by mfsdp-report) ------------------------------------
@@ -321,7 +317,7 @@ def final_checkpoint_step(run_dir: Path) -> Optional[int]:
 
 def finished_step(run_dir: Path, train_steps: int) -> Optional[int]:
     """The step a finished job reached, or None if it must (still) run. See the module doc."""
-    done = read_json(Path(run_dir) / DONE_FILE)
+    done = read_json(Path(run_dir) / rundir.JOB_DONE)
     if done is not None and isinstance(done.get("step"), int) and done["step"] >= train_steps:
         return done["step"]
     ckpt = final_checkpoint_step(run_dir)
@@ -333,7 +329,7 @@ def finished_step(run_dir: Path, train_steps: int) -> Optional[int]:
 def read_metrics(run_dir: Path) -> List[dict]:
     rows = []
     try:
-        text = (Path(run_dir) / METRICS_FILE).read_text()
+        text = (Path(run_dir) / rundir.METRICS).read_text()
     except OSError:
         return rows
     for line in text.splitlines():
@@ -365,10 +361,10 @@ def job_dirs_in(sweep_dir: Path) -> List[Path]:
     if not sweep_dir.is_dir():
         return []
     found = [d for d in sweep_dir.iterdir()
-             if d.is_dir() and ((d / STATUS_FILE).is_file() or (d / METRICS_FILE).is_file())]
+             if d.is_dir() and ((d / rundir.JOB_STATUS).is_file() or (d / rundir.METRICS).is_file())]
 
     def key(d: Path):
-        num = (read_json(d / STATUS_FILE) or {}).get("job_num")
+        num = (read_json(d / rundir.JOB_STATUS) or {}).get("job_num")
         return (num if isinstance(num, int) else 1 << 30, d.name)
 
     return sorted(found, key=key)
@@ -382,7 +378,7 @@ COLUMNS = ("job", "overrides", "status", "exit_code", "step", "final_loss", "tok
 
 def job_row(jdir: Path) -> dict:
     jdir = Path(jdir)
-    st = read_json(jdir / STATUS_FILE) or {}
+    st = read_json(jdir / rundir.JOB_STATUS) or {}
     last = last_metrics(jdir) or {}
     status = st.get("status") or ("unknown" if last else "not_run")
     steps = st.get("train_steps")
@@ -413,9 +409,8 @@ def job_overrides(jdir: Path, status: dict) -> List[str]:
     try:
         from omegaconf import OmegaConf
 
-        from .compose import FROZEN_OVERRIDES
 
-        return [str(o) for o in OmegaConf.load(str(jdir / FROZEN_OVERRIDES))]
+        return [str(o) for o in OmegaConf.load(str(jdir / rundir.OVERRIDES))]
     except Exception:
         return [unescape_job_name(p) for p in jdir.name.split(",")]
 
@@ -470,7 +465,7 @@ def summarize(job_dirs: Iterable[Path], sweep_dir: Path) -> List[dict]:
     rows = [job_row(Path(d)) for d in job_dirs]
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, sweep_dir / SUMMARY_CSV)
+    write_csv(rows, sweep_dir / rundir.SWEEP_SUMMARY)
     common, table = _display_rows(rows)
     (sweep_dir / SUMMARY_MD).write_text(to_markdown(rows, common, table, sweep_dir))
     print_table(rows, common, table, sweep_dir)
@@ -525,4 +520,4 @@ def print_table(rows: List[dict], common: List[str], table: List[List[str]], swe
         if r["status"] in ("failed", "invalid") and r.get("error"):
             console.print(f"{r['status']}: {' '.join(r['overrides'])}: {r['error']}", markup=False,
                           style="red")
-    console.print(_counts(rows) + f"; summary in {sweep_dir / SUMMARY_CSV} and {SUMMARY_MD}", markup=False)
+    console.print(_counts(rows) + f"; summary in {sweep_dir / rundir.SWEEP_SUMMARY} and {SUMMARY_MD}", markup=False)

@@ -134,7 +134,7 @@ def _train(cfg) -> int:
     from .checkpoint import CheckpointManager, manifest_info_from_config
     from .engines import get_engine
     from .engines.base import apply_freeze
-    from .launch import STOP_FILE
+    from . import rundir
     from .loop import LoopContext, TrainState, train
     from .mesh import ParallelDims
     from .metrics import MetricsWriter, device_peak_tflops
@@ -196,7 +196,7 @@ def _train(cfg) -> int:
     metrics = MetricsWriter(run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard,
                             start_step=state.step)
 
-    stop_file = run_dir / STOP_FILE
+    stop_file = run_dir / rundir.STOP
     flag = torch.zeros(1, dtype=torch.int32)
     got_signal = {"value": False}
     _install_stop_signals(got_signal)

@@ -49,7 +49,7 @@ def test_help_and_dry_run_do_not_import_torch():
     import subprocess
     import sys
 
-    probe = ("import sys; from mfsdp_launch.launch import main; "
+    probe = ("import sys; from mfsdp_launch.cli import main; "
              "rc = main(sys.argv[1:]); assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     for args in (["--help"], ["+recipe=hfsdp_fp8", "launcher.dry_run=true", "launcher.nproc_per_node=8"]):
         out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=ROOT)

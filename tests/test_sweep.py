@@ -13,7 +13,7 @@ import pytest
 
 from conftest import cli
 from mfsdp_launch import launch as launch_mod
-from mfsdp_launch import sweep
+from mfsdp_launch import rundir, sweep
 
 SMALL = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
          "train.grad_accum_steps=1"]
@@ -90,7 +90,7 @@ def test_four_jobs_summary_then_rerun_skips_all(tmp_path, fake, capsys):
                      "optim.lr=0.001,train.micro_batch_size=4,train.steps=3",
                      "optim.lr=0.003,train.micro_batch_size=2,train.steps=3",
                      "optim.lr=0.003,train.micro_batch_size=4,train.steps=3"]
-    rows = rows_of(sw / sweep.SUMMARY_CSV)
+    rows = rows_of(sw / rundir.SWEEP_SUMMARY)
     assert len(rows) == 4 and {r["status"] for r in rows} == {"done"}
     assert rows[0]["overrides"] == "+recipe=cpu_smoke optim.lr=0.001 train.micro_batch_size=2 train.steps=3 run.name=t"
     assert float(rows[0]["tokens_per_s_per_gpu"]) == 2000.0 and rows[0]["mfu"] == ""
@@ -98,9 +98,9 @@ def test_four_jobs_summary_then_rerun_skips_all(tmp_path, fake, capsys):
     assert md.count("| optim.lr=") == 4 and "tokens/s/GPU" in md and "MFU" in md
     assert "sweep summary" in out and "4 job(s): 4 done" in out
     for d in f.calls:
-        st = json.loads((d / sweep.STATUS_FILE).read_text())
+        st = json.loads((d / rundir.JOB_STATUS).read_text())
         assert st["status"] == "done" and st["exit_code"] == 0 and st["final_step"] == 3
-        assert (d / sweep.DONE_FILE).is_file()
+        assert (d / rundir.JOB_DONE).is_file()
         assert (d / "config.yaml").is_file() and (d / "overrides.yaml").is_file()
     # No Hydra extras: no .hydra dirs, no log files, only Hydra's multirun.yaml in the sweep dir.
     assert not list(sw.rglob(".hydra")) and not list(sw.rglob("*.log"))
@@ -112,7 +112,7 @@ def test_four_jobs_summary_then_rerun_skips_all(tmp_path, fake, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and f2.calls == []
     assert out.count("already finished (step 3/3): skipped") == 4
-    assert {r["status"] for r in rows_of(sw / sweep.SUMMARY_CSV)} == {"skipped"}
+    assert {r["status"] for r in rows_of(sw / rundir.SWEEP_SUMMARY)} == {"skipped"}
 
 
 def test_failed_and_invalid_jobs_are_recorded_and_the_sweep_goes_on(tmp_path, fake, capsys):
@@ -121,7 +121,7 @@ def test_failed_and_invalid_jobs_are_recorded_and_the_sweep_goes_on(tmp_path, fa
     captured = capsys.readouterr()
     assert rc == 1
     rows = {r["overrides"].split(" ")[1] + " " + r["overrides"].split(" ")[2]: r
-            for r in rows_of(tmp_path / "sw" / sweep.SUMMARY_CSV)}
+            for r in rows_of(tmp_path / "sw" / rundir.SWEEP_SUMMARY)}
     assert len(rows) == 4
     assert rows["optim.lr=0.001 train.micro_batch_size=2"]["status"] == "done"
     assert rows["optim.lr=0.003 train.micro_batch_size=2"]["status"] == "failed"
@@ -132,7 +132,7 @@ def test_failed_and_invalid_jobs_are_recorded_and_the_sweep_goes_on(tmp_path, fa
     assert "train.micro_batch_size: must be >= 1, got 0" in captured.err
     assert len(f.calls) == 2  # the invalid points never launched
     bad = Path(rows["optim.lr=0.001 train.micro_batch_size=0"]["run_dir"])
-    assert json.loads((bad / sweep.STATUS_FILE).read_text())["error"] == "train.micro_batch_size: must be >= 1, got 0"
+    assert json.loads((bad / rundir.JOB_STATUS).read_text())["error"] == "train.micro_batch_size: must be >= 1, got 0"
 
     # Re-run: the finished job is skipped, the failed one is launched again.
     f2 = fake()
@@ -151,15 +151,15 @@ def test_unfinished_job_runs_again_and_a_final_checkpoint_counts_as_finished(tmp
     f = fake()
     assert sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3")) == 0
     assert f.calls == [b]
-    assert json.loads((a / sweep.STATUS_FILE).read_text())["status"] == "skipped"
-    assert json.loads((a / sweep.DONE_FILE).read_text())["step"] == 3
+    assert json.loads((a / rundir.JOB_STATUS).read_text())["status"] == "skipped"
+    assert json.loads((a / rundir.JOB_DONE).read_text())["step"] == 3
 
 
 def test_a_stopped_job_stops_the_sweep(tmp_path, fake, capsys):
     f = fake(stop_at=1)  # exits 0 before train.steps: a graceful stop on request
     rc = sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3"))
     assert rc == 1 and len(f.calls) == 1
-    statuses = [r["status"] for r in rows_of(tmp_path / "sw" / sweep.SUMMARY_CSV)]
+    statuses = [r["status"] for r in rows_of(tmp_path / "sw" / rundir.SWEEP_SUMMARY)]
     assert statuses == ["stopped", "not_run"]
     assert "stopping the sweep" in capsys.readouterr().err
 
@@ -170,7 +170,7 @@ def test_slash_in_a_value_is_one_job_dir(tmp_path, capsys):
     sw = tmp_path / "sw"
     assert sorted(p.name for p in sw.iterdir() if p.is_dir()) == [
         "data.path=%2Fx%2Fy,optim.lr=0.001,train.steps=3", "data.path=%2Fx%2Fy,optim.lr=0.003,train.steps=3"]
-    assert {r["status"] for r in rows_of(sw / sweep.SUMMARY_CSV)} == {"dry_run"}
+    assert {r["status"] for r in rows_of(sw / rundir.SWEEP_SUMMARY)} == {"dry_run"}
 
 
 def test_summary_from_disk_counts_jobs_finished_elsewhere(tmp_path, capsys):
@@ -178,7 +178,7 @@ def test_summary_from_disk_counts_jobs_finished_elsewhere(tmp_path, capsys):
     sw = tmp_path / "sw"
     d = sw / "optim.lr=0.1"
     d.mkdir(parents=True)
-    (d / sweep.STATUS_FILE).write_text(json.dumps({"status": "running", "train_steps": 2, "job_num": 0,
+    (d / rundir.JOB_STATUS).write_text(json.dumps({"status": "running", "train_steps": 2, "job_num": 0,
                                                     "overrides": ["optim.lr=0.1"]}))
     (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "mfu": 0.25,
                                                          "tokens_per_s_per_gpu": 10.0,
@@ -199,7 +199,7 @@ def test_a_job_that_dies_under_a_launcher_aborts_with_exit_1(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert rc == 1
     assert "mfsdp-train: sweep aborted: RuntimeError: job 123 was killed (timeout)" in err
-    assert (tmp_path / "sw" / sweep.SUMMARY_CSV).is_file()
+    assert (tmp_path / "sw" / rundir.SWEEP_SUMMARY).is_file()
 
 
 @pytest.mark.parametrize("args,key", [
@@ -220,7 +220,7 @@ def test_slurm_sweep_writes_one_script_per_job(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch_mod, "_preflight", lambda cfg: None)
     rc = sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3", "launcher=slurm", "launcher.nnodes=2"))
     assert rc == 0
-    rows = rows_of(tmp_path / "sw" / sweep.SUMMARY_CSV)
+    rows = rows_of(tmp_path / "sw" / rundir.SWEEP_SUMMARY)
     assert [r["status"] for r in rows] == ["written", "written"]
     for r in rows:
         script = (Path(r["run_dir"]) / "sbatch.sh").read_text()
@@ -237,7 +237,7 @@ def test_acceptance_sweep_four_jobs_then_rerun_skips(tmp_path):
             *SMALL, f"run.name=acc_{tmp_path.name}", f"hydra.sweep.dir={sw}"]
     r = cli(*args, cwd=tmp_path, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = rows_of(sw / sweep.SUMMARY_CSV)
+    rows = rows_of(sw / rundir.SWEEP_SUMMARY)
     assert len(rows) == 4 and {x["status"] for x in rows} == {"done"}
     for x in rows:
         assert float(x["final_loss"]) > 0 and float(x["tokens_per_s_per_gpu"]) > 0
@@ -245,7 +245,7 @@ def test_acceptance_sweep_four_jobs_then_rerun_skips(tmp_path):
         assert x["step"] == "2"
         run_dir = Path(x["run_dir"])
         assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "config.yaml").is_file()
-        assert (run_dir / sweep.DONE_FILE).is_file()
+        assert (run_dir / rundir.JOB_DONE).is_file()
     md = (sw / sweep.SUMMARY_MD).read_text()
     assert md.count("| optim.lr=") == 4
     assert "sweep summary" in r.stdout and "4 job(s): 4 done" in r.stdout
@@ -259,7 +259,7 @@ def test_acceptance_sweep_four_jobs_then_rerun_skips(tmp_path):
     assert r.stdout.count("skipped") >= 4 and "4 job(s): 4 skipped" in r.stdout
     assert "ranks, run.dir=" not in r.stdout  # nothing launched
     assert took < 30, took
-    assert {x["status"] for x in rows_of(sw / sweep.SUMMARY_CSV)} == {"skipped"}
+    assert {x["status"] for x in rows_of(sw / rundir.SWEEP_SUMMARY)} == {"skipped"}
 
 
 @pytest.mark.slow
@@ -271,7 +271,7 @@ def test_sweep_with_an_invalid_point_finishes_the_others_and_resumes_unfinished(
             f"run.name=bad_{tmp_path.name}", f"hydra.sweep.dir={sw}"]
     r = cli(*args, cwd=tmp_path, timeout=300)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    rows = {x["overrides"].split(" ")[1]: x for x in rows_of(sw / sweep.SUMMARY_CSV)}
+    rows = {x["overrides"].split(" ")[1]: x for x in rows_of(sw / rundir.SWEEP_SUMMARY)}
     good, bad = rows["mesh.dp_shard=2"], rows["mesh.dp_shard=3"]
     assert good["status"] == "done" and float(good["final_loss"]) > 0 and good["step"] == "4"
     assert bad["status"] == "invalid" and bad["exit_code"] == "2"
@@ -280,15 +280,15 @@ def test_sweep_with_an_invalid_point_finishes_the_others_and_resumes_unfinished(
 
     # Make the good job unfinished (as if it was killed after its step-2 checkpoint): it resumes.
     job = Path(good["run_dir"])
-    (job / sweep.DONE_FILE).unlink()
+    (job / rundir.JOB_DONE).unlink()
     shutil.rmtree(job / "checkpoints" / "step_4")
     r = cli(*args, cwd=tmp_path, timeout=300)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "resuming from step 2" in r.stdout, r.stdout[-3000:]
     steps = [json.loads(line)["step"] for line in (job / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
-    assert json.loads((job / sweep.STATUS_FILE).read_text())["status"] == "done"
-    assert (job / sweep.DONE_FILE).is_file()
+    assert json.loads((job / rundir.JOB_STATUS).read_text())["status"] == "done"
+    assert (job / rundir.JOB_DONE).is_file()
 
 
 @pytest.mark.slow
@@ -301,5 +301,5 @@ def test_hydra_launcher_plugin_needs_no_code_changes(tmp_path):
             f"hydra.sweep.dir={sw}", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
             cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    rows = rows_of(sw / sweep.SUMMARY_CSV)
+    rows = rows_of(sw / rundir.SWEEP_SUMMARY)
     assert [x["status"] for x in rows] == ["done", "done"] and all(float(x["final_loss"]) > 0 for x in rows)
