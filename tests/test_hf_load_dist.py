@@ -7,6 +7,8 @@ as a script (`python test_hf_load_dist.py RANK WORLD PORT DIR`) and assert on th
   the gathered weights equal the files' and each rank requested exactly the bytes of its shards.
 * te_gpt's interleaved QKV layout into even (FSDP2-style) and uneven (Megatron-FSDP-style, chunk
   metadata from megatron_fsdp's own function) DTensor shards.
+* model=hf (with transformers): a tied Qwen2 built on meta, sharded, initialized, then loaded
+  from its own safetensors, which lack the tied head.
 """
 
 from __future__ import annotations
@@ -123,6 +125,45 @@ def _te_layout(rank: int, world: int, hf_dir: str) -> None:
     print(f"rank {rank}: te_gpt layout ok (even and uneven shards)", flush=True)
 
 
+def _fsdp2_hf(rank: int, world: int, hf_dir: str) -> None:
+    """model=hf: a tied Qwen2 built on meta, sharded per decoder layer, initialized with its own
+    init, then its pretrained weights (HF names, the tied head absent from the file)."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mfsdp_launch.engines.fsdp2 import FSDP2Engine
+    from mfsdp_launch.hf import hf_model, load
+
+    mesh = init_device_mesh("cpu", (world,))
+    src = hf_model.resolve_hf_model(path=hf_dir)
+    with torch.device("meta"):
+        model = hf_model.build_hf_model(src)
+    for unit in [m for m in model.modules() if isinstance(m, hf_model.unit_module_classes(model))]:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    hf_model.init_hf_weights(model)
+    engine = FSDP2Engine(engine_cfg=None, sharding_cfg=None, precision_cfg=None, dims=None, mesh=mesh,
+                         device=torch.device("cpu"))
+    report = load.load_into_model(model, hf_dir, engine=engine, key="model.path")
+    assert report.unused == [], report.unused
+    ref = load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert "lm_head.weight" not in ref
+    full = {k: v.full_tensor() for k, v in engine.state_dict(model, None)["model"].items()}
+    for k, v in full.items():
+        assert torch.equal(v, ref.get(k, ref["model.embed_tokens.weight"])), k
+    plain = hf_model.build_hf_model(src)
+    plain.load_state_dict(ref, strict=False)
+    plain.tie_weights()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        diff = (hf_model.hf_logits(model, ids) - hf_model.hf_logits(plain, ids)).abs().max().item()
+    assert diff <= 1e-5, diff
+    print(f"rank {rank}: fsdp2 hf qwen2 ok", flush=True)
+
+
 def _child(rank: int, world: int, port: int, hf_dir: str) -> None:
     from datetime import timedelta
 
@@ -133,6 +174,8 @@ def _child(rank: int, world: int, port: int, hf_dir: str) -> None:
     try:
         _fsdp2_gpt(rank, world, hf_dir)
         _te_layout(rank, world, hf_dir)
+        if os.path.isdir(hf_dir + "_qwen2"):
+            _fsdp2_hf(rank, world, hf_dir + "_qwen2")
     finally:
         dist.destroy_process_group()
 
@@ -145,6 +188,7 @@ if __name__ == "__main__":
 # ================================================================================ parent side
 
 
+@pytest.mark.slow
 def test_sliced_load_fsdp2_and_uneven_shards(tmp_path):
     import torch
 
@@ -154,6 +198,7 @@ def test_sliced_load_fsdp2_and_uneven_shards(tmp_path):
 
     torch.manual_seed(0)
     export_gpt_state(GPT(_dims()).state_dict(), tmp_path / "hf", dims=_dims())
+    have_transformers = _save_qwen2(tmp_path / "hf_qwen2")
     port, world = free_port(), 2
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -171,3 +216,19 @@ def test_sliced_load_fsdp2_and_uneven_shards(tmp_path):
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {rank} exit {p.returncode}:\n{out[-4000:]}"
         assert f"rank {rank}: fsdp2 gpt ok" in out and f"rank {rank}: te_gpt layout ok" in out, out[-2000:]
+        assert (f"rank {rank}: fsdp2 hf qwen2 ok" in out) == have_transformers, out[-2000:]
+
+
+def _save_qwen2(path: Path) -> bool:
+    try:
+        import transformers
+    except ImportError:
+        return False
+    from mfsdp_launch.hf import hf_model
+
+    src = hf_model.resolve_hf_model(hf_config=dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True))
+    hf_model.build_hf_model(src).save_pretrained(path)
+    assert transformers.AutoConfig.from_pretrained(path).tie_word_embeddings
+    return True

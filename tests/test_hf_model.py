@@ -141,3 +141,19 @@ def test_without_transformers_model_hf_is_one_line_naming_the_extra():
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.stdout.strip() == ("ConfigError model.name: model=hf needs transformers, which is not installed "
                                   "(pip install 'mfsdp-launch[hf]')"), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_export_of_an_hf_model_reloads_with_equal_logits(tmp_path, family):
+    from mfsdp_launch.hf.export import export_hf_state
+
+    torch.manual_seed(2)
+    model = hf_model.build_hf_model(hf_model.resolve_hf_model(hf_config=CONFIGS[family])).eval()
+    info = export_hf_state(model.state_dict(), tmp_path, hf_config=model.config.to_dict(), max_shard_bytes=200_000)
+    assert info["sharded"]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert ("lm_head.weight" in index["weight_map"]) == (family == "llama")  # a tied head is not written
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(hf_model.hf_logits(back, ids), hf_model.hf_logits(model, ids))
