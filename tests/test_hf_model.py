@@ -157,3 +157,11 @@ def test_export_of_an_hf_model_reloads_with_equal_logits(tmp_path, family):
     ids = _batch()["input_ids"]
     with torch.no_grad():
         assert torch.equal(hf_model.hf_logits(back, ids), hf_model.hf_logits(model, ids))
+
+
+def test_hf_class_must_fit_the_directory_config(tmp_path):
+    transformers.LlamaConfig(**TINY).save_pretrained(tmp_path)
+    assert hf_model.resolve_hf_model(path=str(tmp_path), hf_class="LlamaForCausalLM").class_name == "LlamaForCausalLM"
+    with pytest.raises(ConfigError) as err:
+        hf_model.resolve_hf_model(path=str(tmp_path), hf_class="Qwen2ForCausalLM")
+    assert "Qwen2ForCausalLM takes a Qwen2Config, the config is a LlamaConfig" in _one_line(err, "model.hf_class")

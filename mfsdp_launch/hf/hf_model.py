@@ -102,7 +102,8 @@ def resolve_hf_model(path: Optional[str] = None, hf_config: Optional[Mapping[str
             first = (str(exc).strip().splitlines() or [""])[0]
             raise ConfigError("model.path", f"{local / CONFIG_FILE}: {type(exc).__name__}: {first}") from exc
     elif hf_class:
-        config = _class(transformers, hf_class, "model.hf_class").config_class(**dict(hf_config))
+        fields = {k: v for k, v in dict(hf_config).items() if k != "model_type"}  # the class decides it
+        config = _class(transformers, hf_class, "model.hf_class").config_class(**fields)
     else:
         fields = dict(hf_config)
         if "model_type" not in fields:
@@ -118,8 +119,11 @@ def resolve_hf_model(path: Optional[str] = None, hf_config: Optional[Mapping[str
     if name is None:
         raise ConfigError(key, f"model_type {config.model_type!r} has no causal-LM class in transformers")
     check_causal_lm(config, name, key)
+    cls = _class(transformers, name, key)
+    if not isinstance(config, cls.config_class):
+        raise ConfigError(key, f"{name} takes a {cls.config_class.__name__}, the config is a {type(config).__name__}")
     config.use_cache = False  # training: no KV cache
-    return HFModelSource(config=config, cls=_class(transformers, name, key), path=local)
+    return HFModelSource(config=config, cls=cls, path=local)
 
 
 def build_hf_model(src: HFModelSource, dtype: Optional["torch.dtype"] = None) -> "nn.Module":
