@@ -15,8 +15,8 @@ from mfsdp_launch.errors import ConfigError  # noqa: E402
 from mfsdp_launch.hf import config as hf_config  # noqa: E402
 from mfsdp_launch.hf import llama_keys, load  # noqa: E402
 from mfsdp_launch.hf.export import INDEX_FILE, SINGLE_FILE, export_gpt_state, plan_shards  # noqa: E402
-from mfsdp_launch.models.gpt import GPT  # noqa: E402
-from mfsdp_launch.models.sizes import GPTDims  # noqa: E402
+from mfsdp_launch.models.gpt_modules import GPT  # noqa: E402
+from mfsdp_launch.models.llama_dims import GPTDims  # noqa: E402
 
 
 def _dims(tie: bool = False, **kw) -> GPTDims:

@@ -31,7 +31,7 @@ if __name__ != "__main__":
 
 
 def _dims():
-    from mfsdp_launch.models.sizes import GPTDims
+    from mfsdp_launch.models.llama_dims import GPTDims
 
     return GPTDims(**DIMS)
 
@@ -53,7 +53,7 @@ def _fsdp2_gpt(rank: int, world: int, hf_dir: str) -> None:
     from mfsdp_launch.engines.base import local_tensor
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
     from mfsdp_launch.hf import llama_keys, load
-    from mfsdp_launch.models.gpt import GPT, Block
+    from mfsdp_launch.models.gpt_modules import GPT, Block
 
     dims = _dims()
     mesh = init_device_mesh("cpu", (world,))
@@ -194,7 +194,7 @@ def test_sliced_load_fsdp2_and_uneven_shards(tmp_path):
 
     from conftest import free_port
     from mfsdp_launch.hf.export import export_gpt_state
-    from mfsdp_launch.models.gpt import GPT
+    from mfsdp_launch.models.gpt_modules import GPT
 
     torch.manual_seed(0)
     export_gpt_state(GPT(_dims()).state_dict(), tmp_path / "hf", dims=_dims())

@@ -28,7 +28,7 @@ def test_te_gpt_exports_to_and_loads_from_transformers(tmp_path, tie):
 
     from mfsdp_launch.hf import llama_keys, load
     from mfsdp_launch.hf.export import export_gpt_state
-    from mfsdp_launch.models.sizes import GPTDims
+    from mfsdp_launch.models.llama_dims import GPTDims
     from mfsdp_launch.models.te_models import TEGPT
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from mfsdp_launch.errors import ConfigError  # noqa: E402
 from mfsdp_launch.hf import user_model as um  # noqa: E402
 from mfsdp_launch.models import sizes  # noqa: E402
-from mfsdp_launch.models.gpt import GPT, Block  # noqa: E402
+from mfsdp_launch.models.gpt_modules import GPT, Block  # noqa: E402
 
 USER_MODULE = '''
 import torch

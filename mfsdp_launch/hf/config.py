@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from ..errors import ConfigError
-from ..models.sizes import GPTDims, validate_gpt_dims
+from ..models.llama_dims import GPTDims, check_gpt_dims
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE = "config.json"
@@ -118,8 +118,8 @@ def dims_from_llama_config(cfg: Dict[str, Any], *, key: str, source: str = CONFI
             values[field] = int(cfg[hf_key])
     dims = GPTDims(**values)
     try:
-        validate_gpt_dims(dims)
-    except ValueError as exc:
+        check_gpt_dims(dims)
+    except ConfigError as exc:
         raise ConfigError(key, f"{source}: {exc}") from exc
     head_dim = cfg.get("head_dim")
     if head_dim is not None and int(head_dim) != dims.head_dim:

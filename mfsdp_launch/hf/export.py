@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 from ..atomic_io import atomic_write, atomic_write_text
 from ..errors import ConfigError
-from ..models.sizes import GPTDims
+from ..models.llama_dims import GPTDims
 from . import llama_keys
 from .config import CONFIG_FILE, llama_config
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, List, Mapping, NamedTuple, Tuple
 
-from ..models.sizes import GPTDims
+from ..models.llama_dims import GPTDims
 
 if TYPE_CHECKING:
     import torch

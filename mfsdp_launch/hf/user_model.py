@@ -24,16 +24,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from ..errors import ConfigError
+from ..models.llama_dims import lm_flops_per_token
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
 LOSS_MODES = ("auto", "cross_entropy", "model")
-# Training FLOPs per token and layer of attention per unit of dim * seq_len: the scores and values
-# matmuls, forward and backward, unhalved for the causal mask (the PaLM/torchtitan convention of
-# `mfsdp_launch.models.sizes.flops_per_token`).
-ATTENTION_FLOPS = 12
 
 
 # ------------------------------------------------------------------------------- resolution
@@ -287,11 +284,6 @@ def model_dims(model: "nn.Module") -> Optional[Dict[str, Any]]:
                 "vocab_size": getattr(cfg, "vocab_size", None),
                 "tie_embeddings": bool(getattr(cfg, "tie_word_embeddings", False))}
     return None
-
-
-def lm_flops_per_token(matmul_params: int, n_layers: int, dim: int, seq_len: int) -> float:
-    """6 * N_matmul + 12 * n_layers * dim * seq_len (see ATTENTION_FLOPS)."""
-    return float(6 * matmul_params + ATTENTION_FLOPS * n_layers * dim * seq_len)
 
 
 def matmul_params(model: "nn.Module", dims: Optional[Dict[str, Any]] = None) -> int:

@@ -149,11 +149,15 @@ def matmul_params(d: GPTDims) -> int:
     return d.n_layers * (layer_params(d) - 2 * d.dim) + d.vocab_size * d.dim
 
 
+def lm_flops_per_token(n_matmul: int, n_layers: int, dim: int, seq_len: int) -> float:
+    """Training FLOPs per token of a decoder LM: 6 * N_matmul + 12 * n_layers * dim * seq_len (PaLM
+    appendix B / torchtitan: the attention term is not halved for the causal mask, so MFU compares
+    with theirs). Activation recomputation is not counted."""
+    return float(6 * n_matmul + 12 * n_layers * dim * seq_len)
+
+
 def flops_per_token(d: GPTDims, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N_matmul + 12 * n_layers * dim * seq_len (PaLM appendix B /
-    torchtitan: the attention term is not halved for the causal mask, so MFU compares with theirs).
-    Activation recomputation is not counted."""
-    return float(6 * matmul_params(d) + 12 * d.n_layers * d.dim * seq_len)
+    return lm_flops_per_token(matmul_params(d), d.n_layers, d.dim, seq_len)
 
 
 def activation_bytes(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
