@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 from mfsdp_launch.errors import ConfigError  # noqa: E402
 from mfsdp_launch.hf import user_model as um  # noqa: E402
-from mfsdp_launch.models import sizes  # noqa: E402
+from mfsdp_launch.models import family  # noqa: E402
+from mfsdp_launch.models import llama_dims as sizes  # noqa: E402
 from mfsdp_launch.models.gpt_modules import GPT, Block  # noqa: E402
 
 USER_MODULE = '''
@@ -127,7 +128,7 @@ def test_propose_unit_modules():
     dims = sizes.GPTDims(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=256,
                          tie_embeddings=False, norm_eps=1e-5, rope_theta=1e4)
     gpt = um.build_on_meta(lambda: GPT(dims))
-    assert um.propose_unit_modules(gpt) == ["mfsdp_launch.models.gpt.Block"]
+    assert um.propose_unit_modules(gpt) == ["mfsdp_launch.models.gpt_modules.Block"]
     assert um.resolve_unit_classes(um.propose_unit_modules(gpt), gpt) == (Block,)
 
 
@@ -145,8 +146,8 @@ def test_unit_module_refusals_list_the_proposal(user_pkg):
     assert str(err.value) == (f"model.fsdp_unit_modules: is empty; name the classes to shard one by one "
                               f"(the model repeats: {user_pkg}.models.Layer)")
     with pytest.raises(ConfigError) as err:
-        um.resolve_unit_classes(["mfsdp_launch.models.gpt.Block"], tiny)
-    assert str(err.value) == (f"model.fsdp_unit_modules: the model contains no mfsdp_launch.models.gpt.Block "
+        um.resolve_unit_classes(["mfsdp_launch.models.gpt_modules.Block"], tiny)
+    assert str(err.value) == (f"model.fsdp_unit_modules: the model contains no mfsdp_launch.models.gpt_modules.Block "
                               f"(it repeats: {user_pkg}.models.Layer)")
     with pytest.raises(ConfigError, match="is not an nn.Module class"):
         um.resolve_unit_classes([f"{user_pkg}.models.build"], tiny)
@@ -196,10 +197,11 @@ def test_meta_stats_of_gpt_equal_the_analytic_counts(tie):
     model = um.build_on_meta(lambda: GPT(sizes.resolve_gpt_dims(cfg)))
     assert all(p.is_meta for p in model.parameters())
     stats = um.model_stats(model, seq_len=128, unit_classes=(Block,))
-    assert stats.num_params == sizes.param_count(cfg)
-    assert stats.matmul_params == sizes.matmul_params(cfg)
-    assert stats.flops_per_token == sizes.flops_per_token(cfg, 128)
-    assert stats.largest_unit_params == sizes.largest_unit_params(cfg)
+    dims = sizes.resolve_gpt_dims(cfg)
+    assert stats.num_params == family("gpt").param_count(cfg)
+    assert stats.matmul_params == sizes.matmul_params(dims)
+    assert stats.flops_per_token == family("gpt").flops_per_token(cfg, 128)
+    assert stats.largest_unit_params == family("gpt").largest_unit_params(cfg)
     assert stats.param_bytes == 4 * stats.num_params
 
 
