@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ..atomic_io import atomic_write
-from .indexed import DocStarts, FormatError, Shard
+from .indexed import DocStarts, FormatError, Shard, map_tokens
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER_BYTES = 256 * 4
@@ -85,9 +85,7 @@ class FlatShard(Shard):
             self.n_docs = len(self._doc_index())
 
     def _raw_tokens(self) -> np.ndarray:
-        if self.n_tokens == 0:
-            return np.zeros(0, self.dtype)
-        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.n_tokens,))
+        return map_tokens(self.path, self.dtype, self.offset, self.n_tokens)
 
     def _doc_index(self) -> np.ndarray:
         if self.cache_dir is None:

@@ -14,6 +14,7 @@ opening a shard reads 34 bytes, whatever its size.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from typing import BinaryIO, Optional
@@ -89,6 +90,21 @@ def _memmap(path: str, dtype, offset: int = 0, count: Optional[int] = None) -> n
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=None if count is None else (count,))
 
 
+def map_tokens(path: str, dtype, offset: int, count: int) -> np.ndarray:
+    """A read-only memmap of ``count`` tokens for random access.
+
+    MADV_RANDOM turns off the kernel's read-ahead: samples are a few KB at random places, and
+    read-ahead would pull (and map into this process) hundreds of KB around each one.
+    """
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+
+
 class Shard:
     """One token file and its document starts, memmapped on first use.
 
@@ -157,5 +173,5 @@ class MegatronShard(Shard):
 
     def _open(self):
         _, pointers = self._index()
-        tokens = _memmap(self.path + ".bin", self.dtype, 0, self.n_tokens)
+        tokens = map_tokens(self.path + ".bin", self.dtype, 0, self.n_tokens)
         return tokens, DocStarts(pointers if self.n_docs else np.zeros(1, np.int64), self.dtype.itemsize)

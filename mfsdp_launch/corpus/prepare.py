@@ -3,7 +3,7 @@
 ::
 
     mfsdp-data prepare INPUT... --tokenizer TOKENIZER_JSON --out DIR [--field text]
-                       [--workers N] [--eos-id ID | --eos-token TOKEN] [--shard-mb 64]
+                       [--workers N] [--eos-id ID | --eos-token TOKEN] [--shard-mb MB]
     mfsdp-data verify DIR          # size and checksum of every shard against the manifest
     mfsdp-data info PATH...        # format, tokens, documents, vocab of any readable source
 
@@ -38,6 +38,16 @@ STOP_AFTER_ENV = "MFSDP_DATA_STOP_AFTER"  # tests: behave as if Ctrl-C came afte
 def shard_dtype(vocab: int) -> np.dtype:
     """uint16 when every id fits, else int32 (Megatron's 4-byte code; no vocab nears 2**31)."""
     return np.dtype(np.uint16) if vocab <= 1 << 16 else np.dtype(np.int32)
+
+
+def auto_shard_bytes(files: Sequence[str]) -> int:
+    """Input bytes per shard when not given: total / 256, within 1..64 MB.
+
+    Shards are the unit of parallel work, so a small corpus still feeds many workers, while a
+    large one is not cut into a sea of files. It depends on the inputs only, not on --workers.
+    """
+    total = sum(os.path.getsize(f) for f in files)
+    return int(min(max(total // 256, 1_000_000), 64_000_000))
 
 
 def default_workers() -> int:
@@ -107,10 +117,11 @@ def _run_pool(jobs: List[Dict[str, Any]], tokenizer_path: str, workers: int, on_
                   initargs=(tokenizer_path, q)) as pool:
         pending = {j["index"]: pool.apply_async(shard_writer.write_shard, (j,)) for j in jobs}
         while pending:
-            try:
+            try:  # wait for news, then take what is there (results are checked below either way)
+                msg = q.get(timeout=0.2)
                 while True:
-                    nbytes, ntokens = q.get(timeout=0.2)
-                    bar.advance(nbytes, ntokens)
+                    bar.advance(*msg)
+                    msg = q.get_nowait()
             except _queue.Empty:
                 pass
             for i in [i for i, r in pending.items() if r.ready()]:
@@ -119,9 +130,9 @@ def _run_pool(jobs: List[Dict[str, Any]], tokenizer_path: str, workers: int, on_
 
 def prepare(input_specs: Sequence[str], tokenizer: str, out: str, *, field: str = "text",
             workers: Optional[int] = None, eos_id: Optional[int] = None, eos_token: Optional[str] = None,
-            shard_mb: float = 64, show_progress: bool = True) -> tuple:
+            shard_mb: Optional[float] = None, show_progress: bool = True) -> tuple:
     """Tokenize ``input_specs`` into ``out``; returns (manifest, summary line). ConfigError for bad input."""
-    if shard_mb <= 0:
+    if shard_mb is not None and shard_mb <= 0:
         raise ConfigError("--shard-mb", f"must be > 0, got {shard_mb}")
     files = inputs.expand(input_specs)
     tok_path = os.path.abspath(os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer)
@@ -129,7 +140,7 @@ def prepare(input_specs: Sequence[str], tokenizer: str, out: str, *, field: str 
     vocab = tk.vocab_size(tok)
     eos = tk.resolve_eos(tok, eos_id, eos_token)
     dtype = shard_dtype(vocab)
-    shard_bytes = max(1, int(shard_mb * 1e6))
+    shard_bytes = auto_shard_bytes(files) if shard_mb is None else max(1, int(shard_mb * 1e6))
     meta = {"tokenizer": {"file": tok_path, "sha256": tk.file_sha256(tok_path), "vocab_size": vocab},
             "eos_id": eos, "dtype": dtype.name, "field": field, "shard_bytes": shard_bytes,
             "checksum": shards.checksum_algo(), "inputs": files}
@@ -197,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     eos = pr.add_mutually_exclusive_group()
     eos.add_argument("--eos-id", type=int, default=None, help="EOS id appended to every document")
     eos.add_argument("--eos-token", default=None, help="EOS token string (default: a usual one)")
-    pr.add_argument("--shard-mb", type=float, default=64, help="MB of input text per shard (default: 64)")
+    pr.add_argument("--shard-mb", type=float, default=None,
+                    help="MB of input per shard, the unit of parallel work (default: total / 256, within 1..64)")
     pr.add_argument("--quiet", action="store_true", help="no progress output")
     ve = sub.add_parser("verify", help="check every shard's size and checksum against the manifest")
     ve.add_argument("dir")
