@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mfsdp_launch.corpus.doc_mask import (block_causal_mask, cu_seqlens, doc_ids_from_boundaries,
-                                          doc_ids_from_eos, position_ids)
+                                          doc_ids_from_eos, flex_block_mask, position_ids)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -66,3 +66,13 @@ def test_sdpa_with_mask_equals_each_document_alone():
             if start:  # the control: without the mask, later documents see earlier ones
                 assert not torch.allclose(plain[row:row + 1, :, sl], alone, atol=1e-4)
             start += n
+
+
+@pytest.mark.slow
+def test_flex_block_mask_matches_the_sdpa_mask():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    ids = torch.tensor([[0] * 40 + [1] * 50 + [2] * 38, [0] * 100 + [1] * 28])
+    q, k, v = torch.randn(3, 2, 2, 128, 16).unbind(0)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(ids))
+    got = flex.flex_attention(q, k, v, block_mask=flex_block_mask(ids))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)

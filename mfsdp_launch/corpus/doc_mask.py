@@ -79,3 +79,20 @@ def cu_seqlens(doc_ids):
     starts = torch.nonzero(new.reshape(-1)).flatten()
     end = torch.tensor([d.numel()], device=d.device)
     return torch.cat([starts, end]).to(torch.int32)
+
+
+def flex_block_mask(doc_ids):
+    """The same block-causal rule as a flex-attention ``BlockMask`` (skips whole masked blocks).
+
+    Use with ``torch.nn.attention.flex_attention.flex_attention(q, k, v, block_mask=...)``
+    (compiled, on GPU, for speed); the mask is built on ``doc_ids``' device.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    d = _tensor(doc_ids)
+
+    def same_doc_causal(b, h, q, kv):
+        return (d[b, q] == d[b, kv]) & (q >= kv)
+
+    b, t = d.shape
+    return create_block_mask(same_doc_causal, B=b, H=None, Q_LEN=t, KV_LEN=t, device=str(d.device))

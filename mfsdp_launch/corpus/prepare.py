@@ -63,29 +63,52 @@ def _fingerprint(files: Sequence[str], settings: Dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def _load_progress(out: str, fingerprint: str) -> Dict[int, Dict[str, Any]]:
-    """Shards recorded by an earlier run of the same plan whose files still check out."""
-    path = os.path.join(out, PROGRESS)
-    if not os.path.exists(path):
-        return {}
-    done: Dict[int, Dict[str, Any]] = {}
-    with open(path, "r", encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for n, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-        except ValueError:  # a line cut by the interruption
-            continue
-        if n == 0:
-            if rec.get("fingerprint") != fingerprint:
-                raise ConfigError("--out", f"{out} holds an interrupted preparation of other inputs, "
-                                  f"tokenizer or options; use another directory or delete it")
-            continue
-        files = rec.get("files", {})
-        prefix = os.path.join(out, rec["name"])
-        if all(not shards.check_file(f"{prefix}.{ext}", e) for ext, e in files.items()):
-            done[int(rec["index"])] = rec
-    return done
+class _Ledger:
+    """``DIR/progress.jsonl``: the plan's fingerprint, then one line per finished shard (fsynced)."""
+
+    def __init__(self, out: str, fingerprint: str):
+        self.path = os.path.join(out, PROGRESS)
+        self.fingerprint = fingerprint
+        self.stop_after = int(os.environ.get(STOP_AFTER_ENV, "0") or 0)
+        self.recorded = 0
+
+    def load(self) -> Dict[int, Dict[str, Any]]:
+        """Shards recorded by an earlier run of the same plan whose files still check out."""
+        if not os.path.exists(self.path):
+            return {}
+        with open(self.path, "r", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        done: Dict[int, Dict[str, Any]] = {}
+        for n, line in enumerate(lines):
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut by the interruption
+                continue
+            if n == 0 and rec.get("fingerprint") != self.fingerprint:
+                raise ConfigError("--out", f"{os.path.dirname(self.path)} holds an interrupted preparation of "
+                                  f"other inputs, tokenizer or options; use another directory or delete it")
+            if n == 0 or not isinstance(rec, dict) or "index" not in rec:
+                continue
+            prefix = os.path.join(os.path.dirname(self.path), rec["name"])
+            if all(not shards.check_file(f"{prefix}.{ext}", e) for ext, e in rec.get("files", {}).items()):
+                done[int(rec["index"])] = rec
+        return done
+
+    def open(self) -> None:
+        self.f = open(self.path, "a", encoding="utf-8")
+        if self.f.tell() == 0:
+            self.f.write(json.dumps({"fingerprint": self.fingerprint}) + "\n")
+
+    def record(self, rec: Dict[str, Any]) -> None:
+        self.f.write(json.dumps(rec, sort_keys=True) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.recorded += 1
+        if self.stop_after and self.recorded >= self.stop_after:
+            raise KeyboardInterrupt  # the test hook: as if Ctrl-C came now
+
+    def close(self) -> None:
+        self.f.close()
 
 
 def _check_out_dir(out: str, fingerprint: str) -> Optional[Dict[str, Any]]:
@@ -134,7 +157,8 @@ def prepare(input_specs: Sequence[str], tokenizer: str, out: str, *, field: str 
     """Tokenize ``input_specs`` into ``out``; returns (manifest, summary line). ConfigError for bad input."""
     if shard_mb is not None and shard_mb <= 0:
         raise ConfigError("--shard-mb", f"must be > 0, got {shard_mb}")
-    files = inputs.expand(input_specs)
+    out_prefix = os.path.abspath(out) + os.sep
+    files = [f for f in inputs.expand(input_specs) if not f.startswith(out_prefix)]  # not our own output
     tok_path = os.path.abspath(os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer)
     tok = tk.load(tok_path)
     vocab = tk.vocab_size(tok)
@@ -151,39 +175,31 @@ def prepare(input_specs: Sequence[str], tokenizer: str, out: str, *, field: str 
         return finished, "already prepared (same inputs, tokenizer and options)"
     items = inputs.plan(files, field, shard_bytes)
     os.makedirs(out, exist_ok=True)
-    done = _load_progress(out, fp)
+    ledger = _Ledger(out, fp)
+    done = ledger.load()
     jobs = [{"index": i, "pieces": p, "out": out, "field": field, "dtype": dtype.name, "eos_id": eos,
              "algo": meta["checksum"]} for i, p in enumerate(items) if i not in done]
     weight = [sum(p.weight for p in item) for item in items]
     bar = Progress(sum(weight), len(items), sum(weight[i] for i in done), len(done), enabled=show_progress)
-    log = open(os.path.join(out, PROGRESS), "a", encoding="utf-8")
-    stop_after = int(os.environ.get(STOP_AFTER_ENV, "0") or 0)
-    recorded = []
 
-    def record(rec: Dict[str, Any]) -> None:
-        log.write(json.dumps(rec, sort_keys=True) + "\n")
-        log.flush()
-        os.fsync(log.fileno())
+    def finished(rec: Dict[str, Any]) -> None:
+        ledger.record(rec)
         done[rec["index"]] = rec
-        recorded.append(rec["index"])
         bar.advance(shards=1)
-        if stop_after and len(recorded) >= stop_after:
-            raise KeyboardInterrupt
 
+    ledger.open()
     try:
-        if log.tell() == 0:
-            log.write(json.dumps({"fingerprint": fp}) + "\n")
         if jobs:
-            _run_pool(jobs, tok_path, workers or default_workers(), record, bar)
+            _run_pool(jobs, tok_path, workers or default_workers(), finished, bar)
     finally:
-        log.close()
         summary = bar.close()
+        ledger.close()
     manifest = shards.build_manifest([done[i] for i in range(len(items))], meta)
     if manifest["n_documents"] == 0:
         raise ConfigError("INPUT", f"no documents with text in {len(files)} file(s)"
                           + (f" (no {field!r} field?)" if manifest["skipped"] else ""))
     shards.write_manifest(out, manifest)
-    os.unlink(os.path.join(out, PROGRESS))
+    os.unlink(ledger.path)
     return manifest, summary
 
 
