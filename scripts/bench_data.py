@@ -3,6 +3,7 @@
   python3 scripts/bench_data.py                  # all three parts; the token set fills what disk allows, <= 20 GB
   python3 scripts/bench_data.py --size-gb 2      # a quicker run
   python3 scripts/bench_data.py --skip-prepare   # parts (b) and (c) only
+  python3 scripts/bench_data.py --prepare-only   # part (a) only
 
 (a) ``prepare`` MB/s of text with 1 and 2 workers: the standard library's sources, tokenized by
     a byte-level BPE tokenizer trained here on that text (nothing downloaded).
@@ -173,16 +174,17 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocab for part (a)")
     ap.add_argument("--seconds", type=float, default=10.0, help="loader measurement time per pack")
-    ap.add_argument("--skip-prepare", action="store_true")
+    ap.add_argument("--skip-prepare", action="store_true", help="skip part (a)")
+    ap.add_argument("--prepare-only", action="store_true", help="part (a) only")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic token set")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_data_", dir=a.dir))
     try:
         if not a.skip_prepare:
             bench_prepare(tmp, a.vocab)
-        size = default_size_gb(tmp, a.size_gb)
-        make_token_set(tmp / "tokens", size)
-        bench_load(tmp / "tokens", a.seconds)
+        if not a.prepare_only:
+            make_token_set(tmp / "tokens", default_size_gb(tmp, a.size_gb))
+            bench_load(tmp / "tokens", a.seconds)
     finally:
         if a.keep:
             print(f"kept {tmp}")
