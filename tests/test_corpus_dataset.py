@@ -167,3 +167,18 @@ def test_mixed_tokenizers_and_flat_documents_are_refused(corpora, tmp_path):
     one_line(e, "data.val_fraction")
     ds = TokenDataset([str(tmp_path / "flat.bin")], seq_len=16, seed=0, val_fraction=0.1, split="val")
     assert ds.sample(0).min() >= 4500  # a single-document source is cut at the token
+
+
+def test_flat_bin_split_at_eos_packs_documents(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(1, 100, size=int(rng.integers(10, 80))), 0) for _ in range(100)]
+    np.concatenate(docs).astype(np.uint16).tofile(tmp_path / "train.bin")
+    ds = TokenDataset([str(tmp_path / "train.bin")], seq_len=64, seed=0, pack="documents", eos_id=0,
+                      cache_dir=str(tmp_path / "cache"))
+    assert ds.streams[0].n_docs == 100
+    starts = set(np.cumsum([0] + [len(d) for d in docs[:-1]]).tolist())
+    for g in range(200):
+        s, start = ds.locate(g)
+        assert start in starts
+        toks, ids = ds.sample_with_docs(g)
+        assert np.array_equal(ids, doc_ids_from_eos(toks, 0))
