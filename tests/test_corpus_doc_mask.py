@@ -69,6 +69,7 @@ def test_sdpa_with_mask_equals_each_document_alone():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU is the point
 def test_flex_block_mask_matches_the_sdpa_mask():
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     ids = torch.tensor([[0] * 40 + [1] * 50 + [2] * 38, [0] * 100 + [1] * 28])
