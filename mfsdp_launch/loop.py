@@ -1,10 +1,11 @@
 """The train loop: microbatches with gradient sync only on the last one, clipping, the optimizer
-step, metrics at log steps, checkpoints and graceful stops."""
+step, validation, metrics at log steps, checkpoints and graceful stops."""
 
 from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -48,6 +49,7 @@ class LoopContext:
     checkpoints: object  # CheckpointManager
     stop_requested: Callable[[int], bool]  # collective: every rank gets the same answer
     step_fn: Optional[Callable[[], torch.Tensor]] = None  # a captured CUDA graph replay, if any
+    val_batch: Optional[Callable[[int], dict]] = None  # val step -> this rank's validation batch; None: no validation
 
 
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
@@ -58,7 +60,7 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     progress = _Progress(train_cfg, state.step) if ctx.rank == 0 else None
     timer = StepTimer(ctx.device)
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
-    steps_since_log, blocked = 0, 0.0
+    steps_since_log, blocked, paused = 0, 0.0, 0.0
     try:
         while state.step < train_cfg.steps:
             for micro in range(ga):
@@ -82,11 +84,13 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
 
             stop = ctx.stop_requested(state.step)
             last = state.step == train_cfg.steps
+            if _validation_due(ctx, train_cfg, state.step, last, stop):
+                paused += validate(model, train_cfg.val_steps, state.step, ctx, progress)
             if state.step % train_cfg.log_interval == 0 or last or stop:
-                dt = timer.lap() / steps_since_log
+                dt = (timer.lap() - paused) / steps_since_log  # validation is not training time
                 row = _log_row(ctx, state, loss_sum / steps_since_log, grad_norm, dt, tokens_per_step, blocked)
                 loss_sum.zero_()
-                steps_since_log, blocked = 0, 0.0
+                steps_since_log, blocked, paused = 0, 0.0, 0.0
                 if progress is not None:
                     progress.log(row)
                 ctx.metrics.write(row)
@@ -104,6 +108,39 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
         if progress is not None:
             progress.close()
     return state
+
+
+def _validation_due(ctx: LoopContext, train_cfg, step: int, last: bool, stop: bool) -> bool:
+    """Every train.val_interval steps and after the last one; not when stopping early (preemption)."""
+    if ctx.val_batch is None or (stop and not last):
+        return False
+    return last or (train_cfg.val_interval > 0 and step % train_cfg.val_interval == 0)
+
+
+def validate(model: torch.nn.Module, val_steps: int, step: int, ctx: LoopContext, progress=None) -> float:
+    """Mean loss over `val_steps` validation batches on every rank, written as a metrics row (before
+    the step's training row); returns the seconds it took. No gradients, no optimizer or RNG use:
+    the training that follows is the same as without it."""
+    t0 = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            for i in range(val_steps):
+                batch = ctx.val_batch(i)
+                with ctx.forward_context():
+                    total += ctx.spec.loss(model, batch).detach().float()
+    finally:
+        model.train(was_training)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)  # every rank's batches weigh the same
+    loss = total.item() / (val_steps * ctx.world_size)
+    row = {"step": step, "val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else float("inf")}
+    seconds = time.perf_counter() - t0
+    if progress is not None:
+        progress.log_val(row, seconds)
+    ctx.metrics.write(row)
+    return seconds
 
 
 def _log_row(ctx: LoopContext, state: TrainState, loss: torch.Tensor, grad_norm, dt: float,
@@ -154,6 +191,11 @@ class _Progress:
                 f"gnorm {row['grad_norm']:.3f}  tok/s/gpu {row['tokens_per_s_per_gpu']:,.0f}  "
                 f"TFLOP/s/gpu {tf}  MFU {mfu}  mem {row['peak_mem_gib']:.2f} GiB  "
                 f"{row['step_time_s'] * 1000:.0f} ms/step")
+        (self.bar.console if self.bar else self.console).print(line)
+        sys.stdout.flush()
+
+    def log_val(self, row: dict, seconds: float) -> None:
+        line = f"step {row['step']:>6}  val_loss {row['val_loss']:.4f}  val_ppl {row['val_ppl']:.2f}  ({seconds:.1f} s)"
         (self.bar.console if self.bar else self.console).print(line)
         sys.stdout.flush()
 

@@ -95,6 +95,11 @@ def _draw(ax, runs_rows, labels, key: str, ylabel: str, legend: bool) -> None:
         if xs:
             ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.4, label=label)
             drawn += 1
+        vx, vy = _series(rows, "val_loss") if key == "loss" else ([], [])
+        if vx:  # validation rows (train.val_interval): dashed, in the run's colour
+            ax.plot(vx, vy, marker="s", markersize=4, linewidth=1.4, linestyle="--", label=f"{label} val",
+                    color=ax.lines[-1].get_color() if xs else None)
+            drawn += 1
     from matplotlib.ticker import MaxNLocator
 
     ax.set_title(ylabel)
@@ -171,6 +176,9 @@ def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str
             parts.append(f"final loss {last['loss']:.4f}")
         if best is not None:
             parts.append(f"best {best[0]:.4f} @ {best[1]}")
+        vals = [r for r in rows if isinstance(r.get("val_loss"), (int, float))]
+        if vals:
+            parts.append(f"val loss {vals[-1]['val_loss']:.4f} @ {vals[-1]['step']}")
         parts.append(f"tokens/s/GPU {tps:,.0f}" if tps is not None else "tokens/s/GPU n/a")
         parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else f"MFU {NO_MFU}")
         parts.append(f"peak mem {mem:.2f} GiB" if mem is not None else "peak mem n/a")

@@ -175,6 +175,27 @@ def batch_source(cfg, spec: ModelSpec, rt: Runtime, resumed=None) -> Callable[[i
     return lambda step, micro: fixed
 
 
+def val_batch_source(cfg, spec: ModelSpec, rt: Runtime) -> Optional[Callable[[int], dict]]:
+    """val_step -> this rank's validation batch on the device; None when the data holds none out.
+
+    The same val samples every time (layout.val_batch_start), split over the DP ranks.
+    """
+    from .data import TokenBatches, has_validation, val_batch_start
+
+    if not spec.uses_tokens or not has_validation(cfg.data):
+        return None
+    t = cfg.train
+    batches = TokenBatches(cfg.data, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size, vocab_size=spec.vocab_size,
+                           seed=t.seed, dp_rank=rt.dp_rank, dp_size=rt.dims.dp_size, split="val")
+
+    def val_batch(val_step: int) -> dict:
+        b = batches.batch(val_batch_start(val_step, micro_batch_size=t.micro_batch_size, dp_rank=rt.dp_rank,
+                                          dp_size=rt.dims.dp_size))
+        return {k: v.to(rt.device, non_blocking=True) for k, v in b.items()}
+
+    return val_batch
+
+
 def full_iteration_graph(cfg, tr: Training, next_batch, start_step: int, control) -> Optional[Callable]:
     if cfg.train.cuda_graph != CudaGraphMode.full_iteration:
         return None

@@ -97,7 +97,8 @@ def _train(cfg) -> int:
     from . import rundir
     from .loop import LoopContext, TrainState, train
     from .metrics import device_peak_tflops
-    from .runtime import build_checkpoints, build_io, build_training, dist_env, full_iteration_graph, init_runtime
+    from .runtime import (build_checkpoints, build_io, build_training, dist_env, full_iteration_graph, init_runtime,
+                          val_batch_source)
     from .watchdog import StallWatchdog
 
     watchdog = StallWatchdog(cfg.train.stall_dump_s, label=f"rank {dist_env()[0]}: ")
@@ -117,6 +118,7 @@ def _train(cfg) -> int:
         forward_context=tr.forward_context, device=rt.device, world_size=rt.world_size, dp_size=rt.dims.dp_size,
         rank=rt.rank, peak_tflops=peak, metrics=io.metrics, checkpoints=checkpoints, stop_requested=stop_requested,
         step_fn=full_iteration_graph(cfg, tr, io.next_batch, state.step, rt.control),
+        val_batch=val_batch_source(cfg, tr.spec, rt),
     )
     try:
         train(tr.forward_model, cfg.train, state, ctx)

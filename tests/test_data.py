@@ -18,16 +18,9 @@ from mfsdp_launch.config.schema import DataConfig
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tb(cfg, *, seq_len=16, mbs=4, vocab=300, seed=7, dp_rank=0, dp_size=1):
-    return D.TokenBatches(
-        cfg,
-        seq_len=seq_len,
-        micro_batch_size=mbs,
-        vocab_size=vocab,
-        seed=seed,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-    )
+def _tb(cfg, *, seq_len=16, mbs=4, vocab=300, seed=7, dp_rank=0, dp_size=1, split="train"):
+    return D.TokenBatches(cfg, seq_len=seq_len, micro_batch_size=mbs, vocab_size=vocab, seed=seed,
+                          dp_rank=dp_rank, dp_size=dp_size, split=split)
 
 
 @pytest.fixture
@@ -142,14 +135,23 @@ def test_resume_equals_continuing():
 # ---------------------------------------------------------------------------------- text
 
 
+def all_tokens(tb):
+    """Every token of a text config's cached corpus, as int64."""
+    return tb.dataset.streams[0].read(0, tb.n_tokens)
+
+
 def test_text_tmp_corpus(corpus, cache):
     tb = _tb(_text_cfg(cache, corpus), seq_len=8, mbs=3)
     assert tb.vocab_size == 256
-    srcs = [os.path.relpath(s, corpus) for s in tb.meta["sources"]]
+    srcs = [os.path.relpath(s, corpus) for s in tb.meta["inputs"]]
     assert srcs == ["a.txt", "b.md", os.path.join("sub", "c.py")]
     expected = b"\n\n".join((corpus / s).read_bytes() for s in srcs)
     assert tb.n_tokens == len(expected) and tb.meta["dtype"] == "uint8"
-    assert bytes(np.asarray(tb.tokens)) == expected
+    assert bytes(all_tokens(tb).astype(np.uint8)) == expected
+    # the cache is a prepared corpus: one document per file (with its separator), checksums that verify
+    from mfsdp_launch.corpus import verify
+
+    assert tb.meta["n_documents"] == 3 and verify(tb.path) == []
     b = tb.batch(5)
     assert b["input_ids"].shape == (3, 8)
     assert b["input_ids"][:, 1:].equal(b["labels"][:, :-1])
@@ -164,21 +166,21 @@ def test_text_tmp_corpus(corpus, cache):
 
 def test_text_file_glob_and_max_bytes(corpus, cache):
     one = _tb(_text_cfg(cache, corpus / "a.txt"), seq_len=8)
-    assert one.meta["sources"] == [str(corpus / "a.txt")] and one.n_tokens == 1200
+    assert one.meta["inputs"] == [str(corpus / "a.txt")] and one.n_tokens == 1200
     g = _tb(_text_cfg(cache, str(corpus / "**" / "*.py")), seq_len=8)
-    assert g.meta["sources"] == [str(corpus / "sub" / "c.py")]
+    assert g.meta["inputs"] == [str(corpus / "sub" / "c.py")]
     cut = _tb(_text_cfg(cache, corpus, max_bytes=1300), seq_len=8)
     assert cut.n_tokens == 1300
-    assert cut.meta["sources"] == [str(corpus / "a.txt"), str(corpus / "b.md")]
-    assert bytes(np.asarray(cut.tokens)) == ((corpus / "a.txt").read_bytes() + b"\n\n"
-                                              + (corpus / "b.md").read_bytes())[:1300]
+    assert cut.meta["inputs"] == [str(corpus / "a.txt"), str(corpus / "b.md")]
+    assert bytes(all_tokens(cut).astype(np.uint8)) == ((corpus / "a.txt").read_bytes() + b"\n\n"
+                                                         + (corpus / "b.md").read_bytes())[:1300]
 
 
 def test_text_default_stdlib(cache):
     tb = _tb(_text_cfg(cache, None, max_bytes=300_000), seq_len=64, mbs=2)
     assert tb.n_tokens == 300_000 and tb.vocab_size == 256
     stdlib = D.stdlib_dir()
-    srcs = tb.meta["sources"]
+    srcs = tb.meta["inputs"]
     assert srcs == sorted(srcs) and len(srcs) > 1
     for s in srcs:
         assert s.startswith(stdlib) and s.endswith(".py")
@@ -188,24 +190,36 @@ def test_text_default_stdlib(cache):
     assert b["input_ids"].shape == (2, 64) and int(b["input_ids"].max()) < 256
 
 
+def test_text_val_fraction_holds_out_the_last_files(corpus, cache):
+    cfg = _text_cfg(cache, corpus)
+    cfg.val_fraction = 0.2
+    train, val = _tb(cfg, seq_len=8, mbs=4), _tb(cfg, seq_len=8, mbs=4, split="val")
+    text = bytes(all_tokens(train).astype(np.uint8))
+    cut = text.index(b"print")  # c.py, the last file, is the held-out tail (a document boundary)
+    for g in range(0, 200, 4):
+        for row in train.batch_numpy(g):
+            assert bytes(row.astype(np.uint8)) in text[:cut]
+        for row in val.batch_numpy(g):
+            assert bytes(row.astype(np.uint8)) in text[cut:]
+
+
 def test_cache_reused_and_invalidated(corpus, cache):
     cfg = _text_cfg(cache, corpus)
     tb = _tb(cfg, seq_len=8)
-    st_bin, st_meta = os.stat(tb.path).st_mtime_ns, os.stat(tb.path[:-4] + ".json").st_mtime_ns
+    manifest = os.path.join(tb.path, "manifest.json")
+    st_meta = os.stat(manifest).st_mtime_ns
     time.sleep(0.02)
     tb2 = _tb(cfg, seq_len=8)
-    assert tb2.path == tb.path
-    assert os.stat(tb.path).st_mtime_ns == st_bin
-    assert os.stat(tb.path[:-4] + ".json").st_mtime_ns == st_meta
-    # editing a source (size + mtime) gives a new cache file
+    assert tb2.path == tb.path and os.stat(manifest).st_mtime_ns == st_meta
+    # editing a source (size + mtime) gives a new cache directory
     (corpus / "a.txt").write_text("changed " * 100)
     tb3 = _tb(cfg, seq_len=8)
     assert tb3.path != tb.path and tb3.n_tokens != tb.n_tokens
-    # a torn cache (sidecar present, wrong size) is rebuilt, not trusted
-    with open(tb3.path, "r+b") as f:
+    # a torn cache (manifest present, shard of the wrong size) is rebuilt, not trusted
+    with open(os.path.join(tb3.path, "shard_000000.bin"), "r+b") as f:
         f.truncate(10)
     tb4 = _tb(cfg, seq_len=8)
-    assert os.path.getsize(tb4.path) == tb4.n_tokens == tb3.n_tokens
+    assert os.path.getsize(os.path.join(tb4.path, "shard_000000.bin")) == tb4.n_tokens == tb3.n_tokens
 
 
 def test_cache_dir_env(corpus, tmp_path, monkeypatch):
@@ -234,7 +248,8 @@ def test_concurrent_builds(tmp_path, cache):
             pass
         tb = TokenBatches(DataConfig(name="text", path={str(root)!r}, cache_dir={cache!r}),
                           seq_len=32, micro_batch_size=2, vocab_size=256, seed=0)
-        print(tb.path, tb.n_tokens, zlib.crc32(bytes(tb.tokens)))
+        toks = tb.dataset.streams[0].read(0, tb.n_tokens).astype("uint8")
+        print(tb.path, tb.n_tokens, zlib.crc32(toks.tobytes()))
         """
     )
     start = str(time.time() + 1.0)
@@ -246,12 +261,12 @@ def test_concurrent_builds(tmp_path, cache):
         assert p.returncode == 0, err
         outs.append(out.split())
     assert outs[0] == outs[1]
-    files = sorted(os.listdir(cache))
-    assert len(files) == 2 and files[0].endswith(".bin") and files[1].endswith(".json"), files
-    meta = json.loads(open(os.path.join(cache, files[1])).read())
+    (entry,) = os.listdir(cache)
+    files = sorted(os.listdir(os.path.join(cache, entry)))
+    assert files == ["manifest.json", "shard_000000.bin", "shard_000000.idx"], files  # no temporaries left
     expected = b"\n\n".join((root / f"f{i:02d}.txt").read_bytes() for i in range(20))
-    assert meta["n_tokens"] == len(expected) == int(outs[0][1])
-    assert open(os.path.join(cache, files[0]), "rb").read() == expected
+    assert len(expected) == int(outs[0][1])
+    assert open(os.path.join(cache, entry, "shard_000000.bin"), "rb").read() == expected
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -327,7 +342,8 @@ def test_hf_tokenizer(corpus, tmp_path, cache):
     texts = [(corpus / n).read_text() for n in ("a.txt", "b.md", os.path.join("sub", "c.py"))]
     expected = [i for t in texts for i in tk.encode(t, add_special_tokens=False).ids]
     assert tb.n_tokens == len(expected) > 400  # "\n\n" encodes to nothing here
-    assert np.asarray(tb.tokens).tolist() == expected
+    assert all_tokens(tb).tolist() == expected
+    assert tb.meta["tokenizer"]["vocab_size"] == 9 and tb.meta["n_documents"] == 3
     b = tb.batch(0)
     assert b["input_ids"][:, 1:].equal(b["labels"][:, :-1])
 
@@ -356,5 +372,5 @@ def test_pickles_without_the_map(corpus, cache):
     tb = _tb(_text_cfg(cache, corpus), seq_len=8)
     ref = tb.batch(3)["input_ids"]
     clone = pickle.loads(pickle.dumps(tb))  # e.g. a DataLoader worker
-    assert clone._tokens is None and clone.batch(3)["input_ids"].equal(ref)
+    assert clone.dataset.streams[0].shards[0]._tokens is None and clone.batch(3)["input_ids"].equal(ref)
     assert len(pickle.dumps(tb)) < 10_000

@@ -24,6 +24,12 @@ class Backend(Choice):
 class Dataset(Choice):
     synthetic = "synthetic"
     text = "text"
+    tokens = "tokens"
+
+
+class Pack(Choice):
+    windows = "windows"
+    documents = "documents"
 
 
 class ResumeMode(Choice):
@@ -157,6 +163,17 @@ class TrainConfig:
     # Hang diagnosis: when no step completes for this many seconds, every rank prints all its
     # threads' Python stacks to stderr (again every period while stalled). null: off.
     stall_dump_s: Optional[float] = None
+    # Validation (needs data.val_fraction or data.val_sources): every val_interval steps (0: only
+    # at the end; a final validation always runs), val_steps micro-batches per rank each time.
+    val_interval: int = 0
+    val_steps: int = 10
+
+
+@dataclass
+class DataSource:
+    # A prepared dir (manifest.json), a Megatron PREFIX(.bin/.idx), a flat .bin, or a glob of these.
+    path: Optional[str] = None
+    weight: float = 1.0
 
 
 @dataclass
@@ -164,9 +181,20 @@ class DataConfig:
     name: Dataset = Dataset.synthetic
     # text: a file, directory or glob; null uses the Python standard library's sources.
     path: Optional[str] = None
-    tokenizer: Optional[str] = None  # path to a local tokenizer.json; null: bytes
+    tokenizer: Optional[str] = None  # text: path to a local tokenizer.json; null: bytes
     cache_dir: Optional[str] = None
-    max_bytes: int = 64_000_000
+    max_bytes: int = 64_000_000  # text
+    # tokens: token corpora mixed by weight (docs/data.md).
+    sources: List[DataSource] = field(default_factory=list)
+    # text|tokens: samples start anywhere (windows) or at document starts (documents).
+    pack: Pack = Pack.windows
+    # text|tokens, model=gpt: attention stays inside each document of a sample.
+    doc_mask: bool = False
+    # tokens: split flat .bin sources into documents after this token id.
+    eos_id: Optional[int] = None
+    # Held-out data for validation: the last fraction of each source (text|tokens), or other sources (tokens).
+    val_fraction: float = 0.0
+    val_sources: List[DataSource] = field(default_factory=list)
 
 
 @dataclass

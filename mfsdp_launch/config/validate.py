@@ -140,7 +140,8 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     m, fam = cfg.model, family(cfg.model.name)
     ctx = ModelContext(tp=dims.tp, cp=dims.cp, seq_len=cfg.train.seq_len,
                        micro_batch_size=cfg.train.micro_batch_size, fp8_recipe=str(cfg.fp8.recipe),
-                       fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name))
+                       fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name),
+                       doc_mask=bool(cfg.data.doc_mask))
     warnings = fam.check(m, ctx)
     if dims.tp > 1 or dims.cp > 1:
         key = "mesh.tp" if dims.tp > 1 else "mesh.cp"
@@ -183,7 +184,7 @@ def _check_name_globs(cfg, fam) -> None:
 def _check_data(cfg) -> None:
     from ..data import check_data_config
 
-    check_data_config(cfg.data, vocab_size=family(cfg.model.name).vocab_size(cfg.model))
+    check_data_config(cfg.data, vocab_size=family(cfg.model.name).vocab_size(cfg.model), train=cfg.train)
 
 
 def _check_train(cfg, caps: EngineCaps) -> List[str]:

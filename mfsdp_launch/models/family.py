@@ -30,6 +30,7 @@ class ModelContext:
     fp8_recipe: str = "none"
     fp8_skip: Sequence[str] = ()
     data_name: str = "synthetic"
+    doc_mask: bool = False  # data.doc_mask: batches carry "doc_ids" for a block-causal mask
 
 
 @dataclass
@@ -147,8 +148,10 @@ def find_module(model: "nn.Module", cls: type) -> "nn.Module":
 
 
 def lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
-    """Mean next-token cross-entropy over all tokens, computed in fp32."""
+    """Mean next-token cross-entropy over all tokens, computed in fp32. A batch with "doc_ids"
+    (data.doc_mask) passes them on, so that attention stays inside each document."""
     import torch.nn.functional as F
 
-    logits = model(batch["input_ids"])
+    doc_ids = batch.get("doc_ids")
+    logits = model(batch["input_ids"]) if doc_ids is None else model(batch["input_ids"], doc_ids=doc_ids)
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())

@@ -4,6 +4,11 @@ attention through `F.scaled_dot_product_attention`, tied or untied output head.
 `Block` is the FSDP unit. The model holds no buffers: RoPE tables are computed in fp32 for the
 actual sequence length inside each attention call, so meta-device init plus `to_empty()` leaves
 nothing uninitialized, and FSDP's casting of forward inputs to bf16 never touches them.
+
+`forward(input_ids, doc_ids=None)`: with `doc_ids` (data.doc_mask) a token attends only to earlier
+tokens of its own document, through a block-causal SDPA mask. Positions are not restarted per
+document: RoPE scores depend only on the distance between two tokens, so a document attends
+within itself exactly as it would alone.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..corpus.doc_mask import block_causal_mask
 from .llama_dims import GPTDims
 
 INIT_STD = 0.02
@@ -84,7 +90,7 @@ class Attention(nn.Module):
         self.wqkv = Linear(d.dim, d.dim + 2 * d.kv_dim, INIT_STD, **kw)
         self.wo = Linear(d.dim, d.dim, out_std, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
         q, k, v = self.wqkv(x).split(
@@ -95,9 +101,12 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
         cos, sin = rope_cos_sin(T, hd, self.rope_theta, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            if self.n_kv_heads != self.n_heads:  # expanded: the masked (memory-efficient) kernels lack GQA
+                k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * hd))
 
 
@@ -126,13 +135,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(d.dim, d.norm_eps, **kw)
         self.mlp = MLP(d, out_std, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
-    """input_ids [B, T] -> logits [B, T, vocab].
+    """input_ids [B, T] (and doc_ids [B, T] for a block-causal mask) -> logits [B, T, vocab].
 
     With tied embeddings there is no `lm_head`: the head reads `tok_emb.weight` directly, so a
     single Parameter exists and nothing (to_empty, FSDP's parameter swapping) can untie it.
@@ -151,10 +160,11 @@ class GPT(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.tok_emb(input_ids)
+        mask = None if doc_ids is None else block_causal_mask(doc_ids)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x) if mask is None else layer(x, mask)
         x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
 

@@ -18,6 +18,9 @@ class TEGPTFamily(GPTFamily):
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)
+        if ctx.doc_mask:
+            raise ConfigError("data.doc_mask", "model=te_gpt has no document mask yet (TE's THD attention is "
+                              "not wired)", "false, or model=gpt")
         if ctx.fp8_recipe != "none":
             _check_fp8_shapes(d, ctx)
         return []
