@@ -111,7 +111,7 @@ def _draw(ax, runs_rows, labels, key: str, ylabel: str, legend: bool) -> None:
         ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=13, color="0.4")
         ax.set_xticks([])
         ax.set_yticks([])
-    elif legend and len(labels) > 1:
+    elif legend and (len(labels) > 1 or drawn > len(labels)):  # several runs, or train and val lines
         ax.legend(fontsize=7, loc="best")
 
 

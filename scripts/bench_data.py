@@ -12,7 +12,10 @@
     micro-batch, and the extra host memory, measured in a fresh process. Deleted afterwards
     unless ``--keep``.
 (c) One loader process's tokens/s at seq 2048, micro-batch 4 on that set (random positions
-    over all of it), and the ratio to the 42,000 tokens/s/GPU the 1.4B GPT trains at on an H200.
+    over all of it), and the ratio to the 42,000 tokens/s/GPU the 1.4B GPT trains at on an H200:
+    the corpus reader alone, with document ids, and what a training rank runs (the
+    ``TokenBatches`` of a ``data=tokens`` config with ``data.doc_mask=true``: torch batches with
+    ``doc_ids``).
 """
 
 from __future__ import annotations
@@ -146,8 +149,16 @@ while time.perf_counter() - t < float(sys.argv[4]) / 2:
     toks, ids = ds.batch_numpy(int(rng.integers(0, 10**9)), mbs, with_docs=True)
     nd += 1
 rate_docs = nd * mbs * seq / (time.perf_counter() - t)
+from mfsdp_launch.data import TokenBatches
+tb = TokenBatches({"name": "tokens", "sources": [{"path": sys.argv[2]}], "pack": sys.argv[3], "doc_mask": True,
+                   "val_fraction": 0.001}, seq_len=seq, micro_batch_size=mbs, vocab_size=1 << 16, seed=0)
+t, nw = time.perf_counter(), 0
+while time.perf_counter() - t < float(sys.argv[4]) / 2:
+    batch = tb.batch(int(rng.integers(0, 10**9)))
+    nw += 1
+rate_wired = nw * mbs * seq / (time.perf_counter() - t)
 print(json.dumps(dict(opened=opened, first=first, base=base, after_first=after_first, after_many=rss(),
-                      rate=rate, rate_docs=rate_docs, batches=n)))
+                      rate=rate, rate_docs=rate_docs, rate_wired=rate_wired, batches=n)))
 """
 
 
@@ -166,6 +177,8 @@ def bench_load(path: Path, seconds: float) -> None:
         print(f"(c) pack={pack}: one loader process: {p['rate']:,.0f} tokens/s (torch batches), "
               f"{p['rate_docs']:,.0f} tokens/s with document ids; ratio to {GPU_TOKENS_PER_S:,} tokens/s/GPU: "
               f"{p['rate'] / GPU_TOKENS_PER_S:,.0f}x (target >= 20x)")
+        print(f"(c) pack={pack}: a training rank's TokenBatches (data=tokens, doc_mask=true): "
+              f"{p['rate_wired']:,.0f} tokens/s, {p['rate_wired'] / GPU_TOKENS_PER_S:,.0f}x")
 
 
 def main() -> int:
