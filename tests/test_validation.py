@@ -33,8 +33,8 @@ def text_docs(files):
 def corpora(tmp_path_factory):
     root = tmp_path_factory.mktemp("val")
     files = resolve_text_files({"path": None})[:90]
-    return {"a": write_corpus(root / "a", text_docs(files[:40])), "b": write_corpus(root / "b", text_docs(files[40:70])),
-            "v": write_corpus(root / "v", text_docs(files[70:])), "root": root}
+    parts = {"a": files[:40], "b": files[40:70], "v": files[70:]}
+    return {"root": root, **{k: write_corpus(root / k, text_docs(fs)) for k, fs in parts.items()}}
 
 
 def sources(c):

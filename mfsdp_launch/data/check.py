@@ -93,6 +93,9 @@ def _check_text(data_cfg: Any, vocab_size: Optional[int]) -> None:
     files = resolve_text_files(data_cfg)
     if all(os.path.getsize(f) == 0 for f in files):
         raise ConfigError("data.path", f"all {len(files)} file(s) of {describe_path(data_cfg)} are empty")
+    if str(cfg_get(data_cfg, "pack", "windows")) == "documents" and len(files) < 2:
+        raise ConfigError("data.pack", f"documents starts samples at files, but {describe_path(data_cfg)} is one file",
+                          "windows, or a data.path of several files")
     tok_vocab = tokenizer_vocab_size(data_cfg)
     if vocab_size is not None and int(vocab_size) < tok_vocab:
         tok = cfg_get(data_cfg, "tokenizer")
