@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ..config.schema import Pack
 from ..errors import ConfigError
 from . import shards as _shards
 from .formats import FlatShard
@@ -25,7 +26,7 @@ from .indexed import MegatronShard, Shard
 
 ALLOWED = ("a prepared directory (manifest.json), a Megatron PREFIX with .bin/.idx, "
            "a nanoGPT/llm.c .bin, or a glob of these")
-PACKS = ("windows", "documents")
+PACKS = tuple(p.value for p in Pack)  # data.pack, as the config schema spells it
 
 
 @dataclass
