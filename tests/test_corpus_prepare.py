@@ -98,7 +98,9 @@ def test_interrupted_prepare_resumes_to_identical_output(tmp_path, tokenizer, in
     recorded = (out / "progress.jsonl").read_text().splitlines()
     assert len(recorded) == 1 + 2  # header + the two shards recorded before the stop
     (out / "shard_000099.bin.tmp.1.x").write_bytes(b"junk")  # a write a crash cut short
-    kept = {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out) if n.endswith(".idx")}
+    # Only the recorded shards are kept: another worker may have written a shard it never recorded.
+    names = [json.loads(line)["name"] for line in recorded[1:]]
+    kept = {f"{n}.idx": os.stat(out / f"{n}.idx").st_mtime_ns for n in names}
     again = data_cli("prepare", *common, "--out", str(out))
     assert again.returncode == 0, again.stderr
     assert all(os.stat(out / n).st_mtime_ns == t for n, t in kept.items())  # recorded shards not redone
