@@ -32,7 +32,7 @@ def make_ckpt(ckpt_dir: Path, step: int, *, manifest: dict | None = None, ranks:
     (d / "trainer.json").write_text(json.dumps({"step": step}))
     if commit:
         body = dict(manifest or {})
-        body.update(step=step, files=C._list_files(d))
+        body.update(step=step, files=C.list_files(d))
         (d / C.MANIFEST).write_text(json.dumps(body))
         (ckpt_dir / C.LATEST).write_text(d.name + "\n")
     return d
@@ -323,10 +323,12 @@ def test_preflight_does_not_import_torch(tmp_path):
 
 
 def test_fallback_seed_is_distinct_per_rank_step_and_seed():
-    assert C.fallback_seed(1234, 3, 100) != C.fallback_seed(1234, 3, 101)
-    assert C.fallback_seed(1234, 3, 100) != C.fallback_seed(1235, 3, 100)
-    assert len({C.fallback_seed(1234, r, 100) for r in range(8)}) == 8
-    assert 0 <= C.fallback_seed(1, 2, 3) < 2**63
+    from mfsdp_launch.rng import fallback_seed
+
+    assert fallback_seed(1234, 3, 100) != fallback_seed(1234, 3, 101)
+    assert fallback_seed(1234, 3, 100) != fallback_seed(1235, 3, 100)
+    assert len({fallback_seed(1234, r, 100) for r in range(8)}) == 8
+    assert 0 <= fallback_seed(1, 2, 3) < 2**63
 
 
 def test_preflight_with_raw_model_config_in_manifest(tmp_path):
@@ -356,8 +358,7 @@ def test_scheduler_resume_keeps_a_device_lr_tensor_in_place():
     the schedule fills that tensor rather than replacing it with a float."""
     import torch
 
-    from mfsdp_launch.checkpoint import CheckpointManager
-    from mfsdp_launch.optim import build_scheduler
+    from mfsdp_launch.optim import build_scheduler, load_schedule
     from mfsdp_launch.schema import OptimConfig
 
     def optimizer_with_tensor_lr():
@@ -373,7 +374,7 @@ def test_scheduler_resume_keeps_a_device_lr_tensor_in_place():
         sched.step()
     after = optimizer_with_tensor_lr()
     lr_tensor = after.param_groups[0]["lr"]
-    notes = CheckpointManager._load_scheduler(build_scheduler(after, ocfg, 20), after, sched.state_dict())
+    notes = load_schedule(build_scheduler(after, ocfg, 20), after, sched.state_dict())
     assert notes == []
     assert after.param_groups[0]["lr"] is lr_tensor
     assert float(lr_tensor) == pytest.approx(float(before.param_groups[0]["lr"]))

@@ -281,7 +281,7 @@ def scenario_grow(rank: int, world: int, workdir: Path):
     """1 -> 2 ranks: resharded state identical; rank 1 has no saved RNG state and seeds itself."""
     import torch
 
-    from mfsdp_launch.checkpoint import fallback_seed
+    from mfsdp_launch.rng import fallback_seed
 
     engine, model, opt, sched, ts = _build(world, seed=11)
     mgr = _manager(workdir / "run1", world, rank, engine, interval=0)
