@@ -44,24 +44,30 @@ def read_model_state(ckpt: str | os.PathLike) -> tuple[Dict[str, "torch.Tensor"]
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .checkpoint import quiet_single_process_warnings, saved_model_keys
+    from .checkpoint import CheckpointError, quiet_single_process_warnings, saved_model_keys
+    from .checkpoint.errors import dcp_failures, describe
 
     quiet_single_process_warnings()
 
     found = resolve_verified(ckpt)
-    reader = FileSystemReader(str(found.path))
-    md = reader.read_metadata()
-    saved = {}  # {name: saved key} of the tensors only
-    for name, key in saved_model_keys(md, path=found.path, key="CKPT_DIR").items():
-        if isinstance(md.state_dict_metadata["model." + key], TensorStorageMetadata):
-            saved[name] = key
-    if not saved:
-        raise ConfigError("CKPT_DIR", f"{found.path} holds no model tensors")
-    request: Dict[str, torch.Tensor] = {}
-    for key in saved.values():
-        meta = md.state_dict_metadata["model." + key]
-        request[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    dcp.load({"model": request}, storage_reader=reader, no_dist=True)
+    try:
+        reader = FileSystemReader(str(found.path))
+        md = reader.read_metadata()
+        saved = {}  # {name: saved key} of the tensors only
+        for name, key in saved_model_keys(md, path=found.path, key="CKPT_DIR").items():
+            if isinstance(md.state_dict_metadata["model." + key], TensorStorageMetadata):
+                saved[name] = key
+        if not saved:
+            raise ConfigError("CKPT_DIR", f"{found.path} holds no model tensors")
+        request: Dict[str, torch.Tensor] = {}
+        for key in saved.values():
+            meta = md.state_dict_metadata["model." + key]
+            request[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        dcp.load({"model": request}, storage_reader=reader, no_dist=True)
+    except ConfigError:
+        raise
+    except dcp_failures() as exc:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read {found.path} ({describe(exc)})") from exc
     return {name: request[key] for name, key in saved.items()}, found
 
 
@@ -135,11 +141,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--format", default=None, choices=FORMATS,
                         help="default: safetensors if installed, else torch")
     args = parser.parse_args(argv)
-    from .checkpoint.errors import dcp_failures, describe
+    from .checkpoint.errors import CheckpointError, dcp_failures, describe
 
     try:
         info = export(args.ckpt, args.out, dtype=args.dtype, fmt=args.format)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         eprint(f"mfsdp-export: error: {exc}")
         return 2
     except dcp_failures() as exc:  # a damaged shard, an unreadable file (DCP's BaseException too): one line

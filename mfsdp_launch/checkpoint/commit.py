@@ -36,6 +36,7 @@ from .state import write_rank_state, write_trainer
 
 _DCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _RANK_FILE = re.compile(r"^extra_rank(\d+)\.pt$")
+_FULL_BELOW = 64 << 20  # free bytes, measured before the failed save's .tmp is removed
 
 
 @dataclass
@@ -59,14 +60,25 @@ def _failed(errors: list) -> List[Tuple[int, str]]:
     return [(r, e) for r, e in enumerate(errors) if e]
 
 
-def _why(failed: List[Tuple[int, str]]) -> str:
-    """One clause per distinct cause; DCP's own errors already name the ranks they come from."""
+def _why(failed: List[Tuple[int, str]], free: List[Optional[int]], where: Path) -> str:
+    """One clause per distinct cause (DCP's own errors already name their ranks), after a word on
+    the disk when it is full: torch's writer may report that as "unexpected pos"."""
     parts: List[str] = []
+    known = [f for f in free if f is not None]
+    if known and min(known) < _FULL_BELOW:
+        parts.append(f"the disk of {where} is full: {min(known) / 1e6:.1f} MB free")
     for r, e in failed:
-        text = e if e.startswith("rank ") else f"rank {r}: {e}"
+        text = e if e.startswith(("rank ", "ranks ")) else f"rank {r}: {e}"
         if text not in parts:
             parts.append(text)
     return "; ".join(parts[:4]) + (" ..." if len(parts) > 4 else "")
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 class Saver:
@@ -197,14 +209,19 @@ class Saver:
                     commit_error = f"commit: {describe(exc)}"
             failed = _failed(self.group.gather(commit_error))
         if failed:
-            self.have_steps.discard(job.step)
-            if self.rank == 0:
-                shutil.rmtree(job.tmp, ignore_errors=True)
-            self.group.barrier()  # the .tmp is gone before any rank reports (and exits)
-            prev = [step_name(s) for s in committed_steps(self.dir)]
-            raise CheckpointError(f"checkpoint save of step {job.step} failed ({_why(failed)}); the committed "
-                                  f"checkpoints are intact: {', '.join(prev) or 'none'}")
+            self._fail(job, failed)
         self.last_save_seconds = job.done_at - job.started
+
+    def _fail(self, job: _Save, failed: List[Tuple[int, str]]) -> None:
+        """Remove the .tmp, keep every committed step, raise the same CheckpointError on every rank."""
+        self.have_steps.discard(job.step)
+        free = self.group.gather(_free_bytes(self.dir))  # before the .tmp is gone: a full disk shows
+        if self.rank == 0:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        self.group.barrier()  # the .tmp is gone before any rank reports (and exits)
+        prev = [step_name(s) for s in committed_steps(self.dir)]
+        raise CheckpointError(f"checkpoint save of step {job.step} failed ({_why(failed, free, self.dir)}); the "
+                              f"committed checkpoints are intact: {', '.join(prev) or 'none'}")
 
     def _commit_rank0(self, job: _Save, sums: Dict[str, Tuple[int, str]]) -> None:
         files = list_files(job.tmp)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, List, Tuple
 
 
 class CheckpointError(RuntimeError):
@@ -18,18 +18,33 @@ def dcp_failures() -> Tuple[type, ...]:
 
 
 def describe(exc: BaseException) -> str:
-    """`Type: first line`; for DCP's CheckpointException each failing rank's own cause (its str()
-    is every rank's whole traceback)."""
+    """`Type: first line` of the cause; for DCP's CheckpointException each failing rank's own cause,
+    ranks with the same cause together (its str() is every rank's whole traceback)."""
     failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank, wrapped in sorted(failures.items()):
-            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            parts.append(f"DCP rank {rank}: {_one_line(inner)}")
-        return "; ".join(parts)
-    return _one_line(exc)
+    if not (isinstance(failures, dict) and failures):
+        return _one_line(_root_cause(exc))
+    by_cause: Dict[str, List[int]] = {}
+    for rank, wrapped in sorted(failures.items()):
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        by_cause.setdefault(_one_line(_root_cause(inner)), []).append(rank)
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {cause}"
+                     for cause, ranks in by_cause.items())
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The OSError behind a wrapper, when the chain still has it (torch's zip writer reports a full
+    disk as "unexpected pos 704 vs 598"), else `exc`."""
+    seen, c = set(), exc
+    while c is not None and id(c) not in seen:
+        if isinstance(c, OSError) and c.errno:
+            return c
+        seen.add(id(c))
+        c = c.__cause__ or c.__context__
+    return exc
 
 
 def _one_line(exc: BaseException) -> str:
     first = (str(exc).strip().splitlines() or [""])[0]
+    if len(first) > 160 and ". " in first:  # a paragraph (torch.load's advice): its first sentence
+        first = first[:first.index(". ") + 1]
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
