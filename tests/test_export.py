@@ -105,7 +105,7 @@ def test_damage_without_checksums_is_one_line_from_the_cli(run_dir, tmp_path):
     step = run_dir / "checkpoints" / "step_2"
     manifest = json.loads((step / C.MANIFEST).read_text())
     for e in manifest["files"]:
-        e.pop("checksum")
+        e.pop("checksum", None)  # (a manifest of today's main has none to begin with)
     (step / C.MANIFEST).write_text(json.dumps(manifest))
     shard = step / "__0_0.distcp"
     shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, nothing DCP can read
