@@ -160,6 +160,28 @@ def test_plan_falls_back_past_damaged(tmp_path):
     assert plan.line == f"resuming from step 10 ({ck / 'step_10'})"
 
 
+def test_plan_skips_steps_a_checksum_found_damaged(tmp_path):
+    """`damaged`: what the workers' checksum verification found; sizes alone look fine."""
+    ck = tmp_path / "checkpoints"
+    make_ckpt(ck, 10)
+    make_ckpt(ck, 20)
+    bad = {ck / "step_20": "checksum mismatch in __0_0.distcp"}
+    plan = C.plan_resume(CheckpointConfig(), ck, bad)
+    assert plan.step == 10
+    assert plan.notes == ["step_20 is damaged (checksum mismatch in __0_0.distcp), falling back to step_10"]
+    other = tmp_path / "new" / "checkpoints"
+    plan = C.plan_resume(CheckpointConfig(load_path=str(tmp_path)), other, bad)
+    assert plan.step == 10 and not plan.own
+    assert plan.notes == [f"step_20 of {ck} is damaged (checksum mismatch in __0_0.distcp), falling back to step_10"]
+    with pytest.raises(ConfigError) as e:
+        C.plan_resume(CheckpointConfig(load_step=20), ck, bad)
+    assert "step_20 exists but is damaged (checksum mismatch in __0_0.distcp); committed steps in" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        C.plan_resume(CheckpointConfig(), ck, {ck / "step_20": "a", ck / "step_10": "b"})
+    assert str(e.value).startswith(f"checkpoint.resume: auto, but {ck} has no intact checkpoint: "
+                                   "step_20 is damaged (a); step_10 is damaged (b)")
+
+
 def test_plan_refuses_when_all_damaged(tmp_path):
     ck = tmp_path / "checkpoints"
     (make_ckpt(ck, 20) / C.MANIFEST).write_text("nope")

@@ -49,6 +49,9 @@ def plan_resume(ck, ckpt_dir: str | os.PathLike, damaged: Damaged = None) -> Res
     notes: List[str] = []
 
     def loaded(found: Found, own: bool) -> ResumePlan:
+        if not own:  # another run's newer steps that failed a checksum (find_latest names our own)
+            notes.extend(f"{p.name} of {p.parent} is damaged ({why}), falling back to {found.name}"
+                         for p, why in sorted((damaged or {}).items()) if p.parent == found.path.parent)
         if weights_only and not own:
             return ResumePlan("weights", f"starting fresh from the model weights of step {found.step} "
                               f"({found.path}): checkpoint.load_weights_only=true (fresh optimizer "
