@@ -54,7 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     show_cfg = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     try:
-        from .compose import compose
+        from .config.compose import compose
 
         cfg = compose(overrides)
         if in_worker_env():

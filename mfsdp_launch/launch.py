@@ -16,8 +16,11 @@ from .console import eprint
 
 
 def check(cfg) -> List[str]:
-    """Validate a composed config; returns its warnings, raises ConfigError."""
-    from .validate import validate
+    """Resolve and validate a composed config; returns its warnings, raises ConfigError."""
+    from .config.resolve import resolve
+    from .config.validate import validate
+
+    resolve(cfg)
 
     # A dry run is prepared on a machine that need not run it, and it resumes nothing.
     warnings = validate(cfg, check_hardware=not cfg.launcher.dry_run)
@@ -46,7 +49,7 @@ def _preflight(cfg) -> None:
 
 
 def prepare_run_dir(cfg, overrides: List[str]) -> Path:
-    from .compose import save_frozen
+    from .config.compose import save_frozen
 
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)

@@ -96,7 +96,7 @@ def _tiny(run_dir, **ck):
 
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
     from mfsdp_launch.loop import TrainState
-    from mfsdp_launch.schema import CheckpointConfig
+    from mfsdp_launch.config.schema import CheckpointConfig
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))

@@ -23,7 +23,7 @@ def run_dir(tmp_path):
     import torch.nn as nn
 
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.schema import CheckpointConfig
+    from mfsdp_launch.config.schema import CheckpointConfig
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -9,6 +9,7 @@ is allowed and printed (`config_changes`). Pure Python.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import time
@@ -34,14 +35,16 @@ def cfg_get(node, key, default=None):
 
 
 def plain(value):
-    """OmegaConf nodes, dataclasses, tuples -> plain JSON types."""
+    """OmegaConf nodes, dataclasses, enums (by name), tuples -> plain JSON types."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
 
         if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
+            return OmegaConf.to_container(value, resolve=True, enum_to_str=True)
     except ImportError:  # pragma: no cover
         pass
+    if isinstance(value, enum.Enum):
+        return value.name
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: plain(v) for k, v in dataclasses.asdict(value).items()}
     if isinstance(value, dict):
@@ -53,17 +56,12 @@ def plain(value):
 
 def model_shape(model_cfg) -> Optional[dict]:
     """The resolved dimensions that decide the saved tensors' shapes; None when unresolvable (an
-    invalid model is validation's business). The one place that asks the models for them."""
+    invalid model is validation's business). The one place that asks the model registry for them."""
     name = str(cfg_get(model_cfg, "name"))
     try:
-        from ..models.sizes import GPT_MODELS, resolve_gpt_dims, resolve_toy_dims
+        from ..models import family
 
-        if name in GPT_MODELS:
-            d = resolve_gpt_dims(model_cfg)
-            shape = {k: getattr(d, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                                "vocab_size", "tie_embeddings")}
-        else:
-            shape = dataclasses.asdict(resolve_toy_dims(model_cfg))
+        shape = family(name).shape(model_cfg)
         if name.startswith("te_"):
             shape["fuse_qkv"] = bool(cfg_get(model_cfg, "fuse_qkv", False))
     except Exception:
@@ -74,7 +72,7 @@ def model_shape(model_cfg) -> Optional[dict]:
 def model_section(model_cfg) -> dict:
     section: Dict[str, Any] = {k: plain(cfg_get(model_cfg, k)) for k in ("name",) + SHAPE_CONFIG_KEYS}
     section["freeze"] = list(plain(cfg_get(model_cfg, "freeze", [])) or [])
-    section["params_dtype"] = cfg_get(model_cfg, "params_dtype")
+    section["params_dtype"] = plain(cfg_get(model_cfg, "params_dtype"))
     section["shape"] = model_shape(model_cfg)
     return section
 
@@ -85,8 +83,8 @@ def engine_section(cfg) -> dict:
         "name": cfg_get(cfg_get(cfg, "engine"), "name"),
         "zero_dp_strategy": plain(cfg_get(sh, "zero_dp_strategy")),
         "outer_dp_sharding_strategy": plain(cfg_get(sh, "outer_dp_sharding_strategy")),
-        "main_params_dtype": cfg_get(pc, "main_params_dtype"),
-        "compute_dtype": cfg_get(pc, "compute_dtype"),
+        "main_params_dtype": plain(cfg_get(pc, "main_params_dtype")),
+        "compute_dtype": plain(cfg_get(pc, "compute_dtype")),
     }
 
 
@@ -170,7 +168,7 @@ def shape_of(section: dict) -> Optional[dict]:
     fields (a section written as the raw model config)."""
     if isinstance(section.get("shape"), dict):
         return section["shape"]
-    from ..schema import ModelConfig
+    from ..config.schema import ModelConfig
 
     base = ModelConfig()
     for k, v in section.items():

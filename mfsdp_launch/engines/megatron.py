@@ -33,8 +33,8 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..optim import set_lr
 from ..precision import torch_dtype
-from ..schema import DTYPES, OUTER_STRATEGIES as OUTER, ZERO_STRATEGIES as ZERO
-from ..validate import check_megatron_sharding, check_no_mesh, check_precision_dtypes, normalize_strategy
+from ..config.dtypes import Dtype
+from ..config.sharding import OuterStrategy, ZeroStrategy, check_sharding
 from .base import Engine, local_tensor
 
 TE_EXTRA_STATE = "te_extra_state"
@@ -77,23 +77,24 @@ class MegatronPlan:
 
 def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_enabled: bool = True,
                        init_on_meta: bool = False, cuda_graph: bool = False) -> MegatronPlan:
-    """Map the config onto Megatron-FSDP's arguments. Pure: no torch, no CUDA, no process group.
+    """Map the config onto Megatron-FSDP's arguments. Pure: no CUDA, no process group.
 
-    Raises ConfigError for combinations Megatron-FSDP refuses (checked again here so that a
-    programmatic caller that skipped `validate` gets the same one-line error, not a deep one).
+    Raises ConfigError for combinations Megatron-FSDP refuses (the same rule validation applies, so
+    a programmatic caller that skipped validation gets the one-line error, not a deep one).
     """
-    zero = normalize_strategy("sharding.zero_dp_strategy", sharding_cfg.zero_dp_strategy, ZERO)
-    outer = normalize_strategy("sharding.outer_dp_sharding_strategy", sharding_cfg.outer_dp_sharding_strategy,
-                               OUTER)
+    zero = ZeroStrategy(sharding_cfg.zero_dp_strategy)
+    outer = OuterStrategy(sharding_cfg.outer_dp_sharding_strategy)
+    # dp_outer=1 (the seed's (1,2,2,2) mesh with outer optim) is plain FSDP: no hybrid group.
     hybrid = mesh_enabled and dims.dp_outer > 1
-    check_megatron_sharding(zero, outer, dp_outer=dims.dp_outer if hybrid else 1, init_on_meta=init_on_meta)
-    if not mesh_enabled:
-        check_no_mesh(dims)
+    check_sharding(zero, outer, dp_outer=dims.dp_outer, meta_init=init_on_meta)
     pc = precision_cfg
-    check_precision_dtypes(pc, DTYPES)
-    if zero == "no_shard":
+
+    def name(dtype) -> Optional[str]:
+        return None if dtype is None else Dtype(dtype).value
+
+    if zero is ZeroStrategy.no_shard:
         norm_group = "none"
-    elif outer == "optim":
+    elif outer is OuterStrategy.optim and hybrid:
         norm_group = "hybrid"
     else:
         norm_group = "fsdp"
@@ -110,12 +111,12 @@ def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_en
         dp_outer_dim=outer_dim,
         tp_dim=tp_dim,
         hybrid_fsdp_group_dim=hybrid_dim,
-        zero_dp_strategy=zero,
-        outer_dp_sharding_strategy=outer if hybrid else "no_shard",
-        compute_dtype=pc.compute_dtype or "fp32",
-        main_params_dtype=pc.main_params_dtype,
-        main_grads_dtype=pc.main_grads_dtype,
-        grad_comm_dtype=pc.grad_comm_dtype,
+        zero_dp_strategy=zero.name,
+        outer_dp_sharding_strategy=outer.name if hybrid else "no_shard",
+        compute_dtype=name(pc.compute_dtype) or "fp32",
+        main_params_dtype=name(pc.main_params_dtype),
+        main_grads_dtype=name(pc.main_grads_dtype),
+        grad_comm_dtype=name(pc.grad_comm_dtype),
         init_model_with_meta_device=bool(init_on_meta),
         sync_model_each_microbatch=bool(getattr(engine_cfg, "sync_every_microbatch", False)),
         keep_fp8_transpose_cache=bool(getattr(engine_cfg, "keep_fp8_transpose_cache", False)),
@@ -123,7 +124,7 @@ def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_en
         report_nan_in_param_grad=bool(getattr(engine_cfg, "report_nan_in_param_grad", False)),
         cuda_graph_mode=bool(cuda_graph),
         grad_norm_group=norm_group,
-        checkpoint_format="replicated" if zero == "no_shard" else "dtensor",
+        checkpoint_format="replicated" if zero is ZeroStrategy.no_shard else "dtensor",
     )
 
 

@@ -52,17 +52,13 @@ def job(tag: str, mesh, world=None) -> Job:
 
 def fs_skip_reason(mesh, zero, outer, common) -> str:
     """Why a test_fully_shard combination does not run ('' if it does)."""
-    c = COMMON[common]
-    if c["meta"] and zero == "no_shard":
-        return ("Meta device initialization (init_model_with_meta_device=True) is not supported or "
-                "necessary for the 'no_shard' / 0 sharding strategy.")
-    if why := outer_skip_reason(zero, outer, mesh):
+    if why := outer_skip_reason(zero, outer, mesh, meta=COMMON[common]["meta"]):
         return why
     if outer is None and mesh[0] > 1:
         return ("not expressible: with mesh.dp_outer > 1 the launcher always passes dp_outer "
                 "(the seed's outer=None then leaves that dim unused)")
-    if outer == "no_shard" and mesh[0] == 1:
-        return "same run as outer=None at dp_outer=1 (no dp_outer dim is passed)"
+    if outer in ("no_shard", "optim") and mesh[0] == 1:
+        return "same run as outer=None at dp_outer=1 (one outer rank: no dp_outer dim is passed)"
     return ""
 
 
