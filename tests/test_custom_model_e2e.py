@@ -118,17 +118,83 @@ def test_dry_run_sizes_come_from_a_meta_build(user_env):
     (["model.target=no_such_module_xyz:build"],
      "model.target: cannot import 'no_such_module_xyz:build': no module named 'no_such_module_xyz' "
      "(is its directory on PYTHONPATH?)"),
-    ([f"model.target={MODULE_NAME}:NOT_CALLABLE"], f"model.target: '{MODULE_NAME}:NOT_CALLABLE' is a int, not callable"),
-    ([TARGET, "model.fsdp_unit_modules=[torch.nn.Conv2d]"],
-     f"model.fsdp_unit_modules: the model contains no torch.nn.Conv2d (it repeats: {MODULE_NAME}.Block)"),
     ([TARGET], "model.fsdp_unit_modules: is empty; name the classes to shard one by one "
                f"(the model repeats: {MODULE_NAME}.Block)"),
-    ([TARGET, UNITS, "model.kwargs={vocab: 100}"],
-     "model.vocab_size: 100 is smaller than the vocab 256 of the byte tokenizer (data.tokenizer=null)"),
-    ([TARGET, UNITS, "model.dim=64"], "model.dim: model=custom takes its dims from model.target; it would do nothing (allowed: null)"),
-], ids=["not-importable", "not-callable", "unit-absent", "units-empty", "vocab", "gpt-key"])
+], ids=["not-importable", "units-empty"])
 def test_bad_input_is_one_line_before_spawning(tmp_path, user_env, overrides, expected):
-    out = cli("model=custom", "data=text", f"run.dir={tmp_path / 'run'}", *overrides, env=user_env)
+    """Through the CLI: the check runs in a short-lived process and comes back as one line."""
+    out = cli("model=custom", f"run.dir={tmp_path / 'run'}", *overrides, env=user_env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip() == f"mfsdp-train: error: {expected}", out.stderr
     assert not (tmp_path / "run").exists()  # nothing was spawned
+
+
+MORE_MODELS = """
+import torch
+import torch.nn as nn
+from {module} import LM
+
+
+class Scale(nn.Module):  # owns a parameter, has no reset_parameters()
+    def __init__(self, dim):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class ScaledLM(LM):
+    def __init__(self):
+        super().__init__(256, 32, 2)
+        self.scale = Scale(32)
+
+
+class LogitsNotLoss(LM):
+    def __init__(self):
+        super().__init__(256, 32, 2)
+
+    def forward(self, input_ids, labels):  # breaks the contract: returns logits, not the loss
+        return super().forward(input_ids)
+"""
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([f"model.target={MODULE_NAME}:NOT_CALLABLE"], f"model.target: '{MODULE_NAME}:NOT_CALLABLE' is a int, not callable"),
+    ([TARGET, "model.fsdp_unit_modules=[torch.nn.Conv2d]"],
+     f"model.fsdp_unit_modules: the model contains no torch.nn.Conv2d (it repeats: {MODULE_NAME}.Block)"),
+    ([TARGET, UNITS, "data=text", "model.kwargs={vocab: 100}"],
+     "model.vocab_size: 100 is smaller than the vocab 256 of the byte tokenizer (data.tokenizer=null)"),
+    ([TARGET, UNITS, "model.vocab_size=300"], "model.vocab_size: 300 is larger than the model's vocabulary (256)"),
+    ([TARGET, UNITS, "model.dim=64"], "model.dim: model=custom takes its dims from model.target; it would do nothing "
+                                      "(allowed: null)"),
+    ([TARGET, UNITS, "model.kwargs=3"], "model.kwargs: must be a mapping of keyword arguments, got 3 "
+                                        "(allowed: {name: value})"),
+    ([TARGET, UNITS, "model.kwargs={depth: 3}"],
+     "model.kwargs: mfsdp_test_usermodel:build: got an unexpected keyword argument 'depth'"),
+    ([TARGET, UNITS, "model.init_fn=no_such_module_xyz.init"],
+     "model.init_fn: cannot import 'no_such_module_xyz.init': no module named 'no_such_module_xyz' "
+     "(is its directory on PYTHONPATH?)"),
+    ([f"model.target={MODULE_NAME}_more:ScaledLM", UNITS, "model.init_on_meta=true"],
+     "model.init_on_meta: true, but scale (Scale) holds parameters and has no reset_parameters(), so they would "
+     "stay uninitialized (allowed: false, or model.init_fn=pkg.module:fn)"),
+    ([f"model.target={MODULE_NAME}_more:LogitsNotLoss", UNITS],
+     "model.loss: model.loss=auto (resolved to model): forward(input_ids, labels) returned (1, 8, 256), not the "
+     "scalar loss (allowed: cross_entropy, or return the loss)"),
+    ([TARGET, UNITS, "model.freeze=[nope.*]"], "model.freeze: 'nope.*' matches no parameter (allowed: emb.weight, "
+                                               "head.weight, blocks.0.norm.weight, blocks.0.norm.bias, "
+                                               "blocks.0.ff.0.weight, blocks.0.ff.0.bias, ...)"),
+    ([TARGET, UNITS, "model.path=/x"], "model.path: model=custom does not use it (allowed: model=hf)"),
+], ids=["not-callable", "unit-absent", "vocab", "vocab-too-large", "gpt-key", "kwargs-type", "kwargs-name",
+        "init-fn", "no-reset", "contract", "freeze", "foreign-key"])
+def test_more_bad_input_is_one_line(tmp_path, monkeypatch, overrides, expected):
+    """The same checks in-process (this process has torch, so the probe runs here: fast)."""
+    from mfsdp_launch.config import prepare
+    from mfsdp_launch.errors import ConfigError
+
+    (tmp_path / f"{MODULE_NAME}.py").write_text(textwrap.dedent(USER_MODULE))
+    (tmp_path / f"{MODULE_NAME}_more.py").write_text(MORE_MODELS.format(module=MODULE_NAME))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        prepare(["model=custom", *overrides], check_hardware=False)
+    assert str(err.value) == expected
