@@ -114,6 +114,7 @@ def test_hf_llama_directory_trains_from_its_pretrained_weights_and_exports(tmp_p
     assert losses(run)[1] == pytest.approx(expected, rel=1e-5)
 
     hf_dir = export_hf(run, tmp_path / "export")
+    assert (hf_dir / "generation_config.json").is_file()  # the source directory's side files come along
     saved = read_model_state(run)[0]
     back = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     assert type(back).__name__ == "LlamaForCausalLM"

@@ -216,10 +216,29 @@ def export_checkpoint(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     elif name == "hf":
         info = export_hf_state(state, out, hf_config=_hf_config_dict(model_cfg), dtype=torch_dtype,
                                max_shard_bytes=max_shard_bytes, metadata=meta)
+        if model_cfg.path:
+            info["copied"] = copy_side_files(model_cfg.path, out)
     else:
         raise ConfigError("--format", f"hf needs a checkpoint of model=gpt, te_gpt or hf; {found.path} is "
                           f"model={name}", "safetensors|torch")
     return dict(info, step=found.step, source=str(found.path), format="hf")
+
+
+# Files of an HF directory that are not weights or config.json, copied with a model=hf export so
+# that the result loads with its tokenizer (AutoTokenizer) and generation defaults.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+
+
+def copy_side_files(src_dir: str | os.PathLike, out: Path) -> List[str]:
+    src = Path(src_dir).expanduser()
+    copied = []
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            data = (src / name).read_bytes()
+            atomic_write(out / name, lambda f, d=data: f.write(d), mode=FILE_MODE)
+            copied.append(name)
+    return copied
 
 
 def _run_model_config(found):
