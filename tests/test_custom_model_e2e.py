@@ -85,20 +85,22 @@ def test_custom_model_trains_resumes_exactly_reshards_and_freezes(tmp_path, user
     meta = ["model.init_on_meta=true", "model.freeze=[emb.*]"]
     out = train(user_env, a, "train.steps=4", "checkpoint.interval=2", *meta)
     assert "model custom:" in out.stdout and "(1 frozen tensors)" in out.stdout, out.stdout
-    train(user_env, b, "train.steps=2", *meta)
-    assert "resuming from step 2" in train(user_env, b, "train.steps=4", *meta).stdout
     losses_a = {r["step"]: r["loss"] for r in rows(a)}
     assert sorted(losses_a) == [1, 2, 3, 4] and losses_a[4] < losses_a[1]
-    assert {r["step"]: r["loss"] for r in rows(b)} == losses_a  # bit-identical on the same mesh
+
+    # B resumes from A's step-2 checkpoint on the same mesh: the same losses and weights as A.
+    for run in (b, c):
+        (run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(a / "checkpoints" / "step_2", run / "checkpoints" / "step_2")
+    assert "resuming from step 2" in train(user_env, b, "train.steps=4", *meta).stdout
+    assert {r["step"]: r["loss"] for r in rows(b)} == {3: losses_a[3], 4: losses_a[4]}  # bit-identical
 
     w2, w4, wb = (weights(p) for p in (a / "checkpoints" / "step_2", a / "checkpoints" / "step_4", b))
     assert w4.keys() == wb.keys() and all(torch.equal(w4[k], wb[k]) for k in w4)
     assert torch.equal(w2["emb.weight"], w4["emb.weight"])  # frozen by model.freeze
     assert not torch.equal(w2["head.weight"], w4["head.weight"])
 
-    # A's step-2 checkpoint continues on 1 process (DCP reshards), with the same global batch.
-    (c / "checkpoints").mkdir(parents=True)
-    shutil.copytree(a / "checkpoints" / "step_2", c / "checkpoints" / "step_2")
+    # C continues A's step 2 on 1 process (DCP reshards), with the same global batch.
     train(user_env, c, "train.steps=3", "launcher.nproc_per_node=1", "mesh.dp_shard=1",
           "train.micro_batch_size=16", *meta)
     assert [r["step"] for r in rows(c)] == [3]

@@ -141,12 +141,41 @@ def test_hf_bad_input_is_one_line(tmp_path):
     assert "nothing is downloaded" in refused(tmp_path, "model=hf", "model.path=meta-llama/Llama-3.1-8B")
     bert = "{model_type: bert, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, vocab_size: 256}"
     assert "is not a causal language model" in refused(tmp_path, "model=hf", f"model.hf_config={bert}")
-    small = "{hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, intermediate_size: 128, vocab_size: 100}"
-    assert refused(tmp_path, "model=hf", "model.hf_class=LlamaForCausalLM", f"model.hf_config={small}",
-                   "data=text") == \
-        "model.vocab_size: 100 is smaller than the vocab 256 of the byte tokenizer (data.tokenizer=null)"
     assert refused(tmp_path, "model=gpt", "model.target=x:y") == "model.target: model=gpt does not use it " \
                                                                  "(allowed: model=custom)"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.hf_class=LlamaForCausalLM", "model.hf_config={vocab_size: 100, num_hidden_layers: 1}", "data=text"],
+     "model.vocab_size: 100 is smaller than the vocab 256 of the byte tokenizer (data.tokenizer=null)"),
+    (["model.hf_class=LlamaForCausalLM", "model.hf_config={num_hidden_layers: 1}", "model.loss=model"],
+     "model.loss: model=hf does not use it (allowed: model=custom)"),
+    (["model.hf_class=LlamaForCausalLM", "model.hf_config={num_hidden_layers: 1}", "model.pretrained=true"],
+     "model.pretrained: true needs model.path, the directory holding the weights"),
+    (["model.hf_class=LlamaForCausalLM", "model.hf_config={num_hidden_layers: 1}", "model.n_layers=2"],
+     "model.n_layers: model=hf takes its dims from its config; it would do nothing (allowed: null)"),
+], ids=["vocab", "loss", "pretrained-without-path", "gpt-key"])
+def test_more_hf_bad_input_in_process(overrides, expected):
+    from mfsdp_launch.config import prepare
+    from mfsdp_launch.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        prepare(["model=hf", *overrides], check_hardware=False)
+    assert str(err.value) == expected
+
+
+def test_pretrained_weights_are_checked_against_the_model_before_spawning(tmp_path):
+    from mfsdp_launch.config import prepare
+    from mfsdp_launch.errors import ConfigError
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, intermediate_size=96)))
+    with pytest.raises(ConfigError) as err:
+        prepare(["model=hf", f"model.path={tmp_path}", "model.pretrained=true"], check_hardware=False)
+    assert str(err.value) == (f"model.pretrained: model.layers.0.mlp.gate_proj.weight has shape [128, 64] in "
+                              f"{tmp_path}, the model needs [96, 64]")
 
 
 def test_without_transformers_model_hf_names_the_extra(tmp_path):

@@ -134,6 +134,8 @@ class ModelConfig:
     activation_checkpointing: bool = False
     # model=custom (models/custom.py): `pkg.module:function` building the nn.Module, its keyword
     # arguments, an optional `pkg.module:fn(model)` initializing it, and the batch contract.
+    # kwargs/hf_config are `Any` (a mapping, checked by the family): a typed Dict field would be
+    # struct-locked by Hydra, refusing `model.kwargs={dim: 512}` as unknown keys.
     target: Optional[str] = None
     kwargs: Any = None
     init_fn: Optional[str] = None

@@ -81,8 +81,7 @@ except ConfigError as exc:
     out = {"error": [exc.key, exc.problem, exc.allowed]}
 except BaseException as exc:
     out = {"crash": _first_line(exc)}
-sys.stdout.flush()
-print(_MARK + json.dumps(out), flush=True)
+print("\\n" + _MARK + json.dumps(out), flush=True)  # on a line of its own, whatever the model printed
 """
 
 

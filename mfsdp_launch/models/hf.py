@@ -40,9 +40,6 @@ class HFFamily(ModelFamily):
     def check(self, m, ctx: ModelContext) -> List[str]:
         check_family_keys(m, self.name)
         refuse_keys(m, GPT_DIM_KEYS + ("vocab_size",), "model=hf takes its dims from its config")
-        if str(m.loss) != "auto":
-            raise ConfigError("model.loss", "model=hf trains on its logits (HF's own labels= loss shifts the "
-                              "labels again)", "auto")
         self.probe(m)
         return []
 
