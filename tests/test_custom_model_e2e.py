@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
-from conftest import cli, cli_env
+from conftest import ROOT, cli, cli_env
 
 torch = pytest.importorskip("torch")
 
@@ -107,9 +109,15 @@ def test_custom_model_trains_resumes_exactly_reshards_and_freezes(tmp_path, user
     assert rows(c)[0]["loss"] == pytest.approx(losses_a[3], rel=1e-4)
 
 
-def test_dry_run_sizes_come_from_a_meta_build(user_env):
-    out = cli(*RUN, "model.kwargs={dim: 64, n_layers: 3}", "launcher.dry_run=true", env=user_env)
+def test_dry_run_sizes_come_from_a_meta_build_without_torch_in_the_launcher(user_env):
+    code = ("import sys\nfrom mfsdp_launch.cli import main\nrc = main(sys.argv[1:])\n"
+            "print('torch imported:', 'torch' in sys.modules, 'user code imported:', %r in sys.modules)\n"
+            "sys.exit(rc)" % MODULE_NAME)
+    args = [*RUN, "model.kwargs={dim: 64, n_layers: 3}", "launcher.dry_run=true"]
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
+                         env={**cli_env(), **user_env}, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert "torch imported: False user code imported: False" in out.stdout
     # 3 blocks of (LayerNorm 2*64 + Linear 64->256 + Linear 256->64) + embedding + head
     n = 3 * (2 * 64 + 64 * 256 + 256 + 256 * 64 + 64) + 2 * 256 * 64
     assert f"custom {MODULE_NAME}:build (3 units: Block; loss=cross_entropy; vocab=256) params={n:,}" in out.stdout
