@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("fp32", "bf16", "fp16", "as_saved")
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "hf")
 
 
 def _have_safetensors() -> bool:
@@ -99,6 +99,10 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_
         raise ConfigError("--format", f"unknown format {fmt!r}", FORMATS)
     if fmt == "safetensors" and not _have_safetensors():
         raise ConfigError("--format", "safetensors is not installed (pip install safetensors)", "torch")
+    if fmt == "hf":  # a Hugging Face directory: config.json + safetensors (mfsdp_launch/hf/export.py)
+        from .hf.export import export_checkpoint
+
+        return export_checkpoint(ckpt, out, dtype=None if dtype == "as_saved" else dtype)
     out = Path(out).expanduser().absolute()
     if out.is_dir():
         raise ConfigError("OUT", f"{out} is a directory; give a file name")
@@ -139,7 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("out", metavar="OUT", help="output file")
     parser.add_argument("--dtype", default="as_saved", choices=DTYPES, help="cast floating tensors (default: as saved)")
     parser.add_argument("--format", default=None, choices=FORMATS,
-                        help="default: safetensors if installed, else torch")
+                        help="default: safetensors if installed, else torch; hf: OUT is a Hugging Face directory")
     args = parser.parse_args(argv)
     from .checkpoint.errors import CheckpointError, dcp_failures, describe
 

@@ -24,7 +24,7 @@ from .engines import engine_caps, get_engine
 from .engines.base import Engine, apply_freeze
 from .errors import ConfigError
 from .mesh import ParallelDims
-from .models import ModelSpec, build_model_spec
+from .models import ModelSpec, build_model_spec, family
 from .optim import build_optimizer, build_scheduler
 from .rng import seed_all
 
@@ -119,6 +119,7 @@ def build_training(cfg, rt: Runtime) -> Training:
     spec, model, frozen, kept = build_model(cfg.model, cfg.fp8, cfg.train.seq_len, rt.device, fp8_recipe)
     engine = build_engine(cfg, rt)
     model = engine.shard(model, spec, init_on_meta=cfg.model.init_on_meta)
+    family(cfg.model.name).load_weights(cfg.model, model, engine)  # model.pretrained / model.init_from
     forward_model = torch.compile(model) if cfg.train.compile else model
     optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda"))
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import List
 
+from ..errors import ConfigError
 from . import llama_dims as L
-from .family import ModelContext, ModelFamily, ModelSpec, find_module, lm_loss
+from .family import ModelContext, ModelFamily, ModelSpec, check_family_keys, find_module, lm_loss
 
 
 class GPTFamily(ModelFamily):
@@ -15,8 +16,52 @@ class GPTFamily(ModelFamily):
         return L.resolve_gpt_dims(m)
 
     def check(self, m, ctx: ModelContext) -> List[str]:
+        check_family_keys(m, self.name)
         self.dims(m)  # every dimension rule, with the key that breaks it
+        self.check_init_from(m)
         return []
+
+    # --- model.init_from: a Llama-layout HF directory (hf/config.py, hf/load.py) -----------------
+
+    def resolve(self, m, compute_dtype) -> None:
+        """Dims left unset (and norm_eps/rope_theta at their defaults) come from init_from's config.json."""
+        if not m.init_from:
+            return
+        from ..config.schema import ModelConfig
+        from ..hf.config import DIMS_TO_LLAMA, read_llama_dims
+
+        hf, defaults = read_llama_dims(m.init_from, key="model.init_from"), ModelConfig()
+        for field, _ in DIMS_TO_LLAMA:
+            value = getattr(m, field)
+            if value is None or (getattr(defaults, field) is not None and value == getattr(defaults, field)):
+                setattr(m, field, getattr(hf, field))
+
+    def check_init_from(self, m) -> None:
+        if not m.init_from:
+            return
+        from pathlib import Path
+
+        from ..hf.config import CONFIG_FILE, check_dims_match, read_llama_dims
+        from ..hf.export import INDEX_FILE, SINGLE_FILE
+
+        source = str(Path(m.init_from).expanduser() / CONFIG_FILE)
+        check_dims_match(self.dims(m), read_llama_dims(m.init_from, key="model.init_from"), source=source)
+        d = Path(m.init_from).expanduser()
+        if not ((d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()):
+            raise ConfigError("model.init_from", f"{d} has no {SINGLE_FILE} or {INDEX_FILE}")
+
+    def load_weights(self, m, model, engine) -> None:
+        if not m.init_from:
+            return
+        import torch.distributed as dist
+
+        from ..hf import llama_keys
+        from ..hf.load import describe, load_into_model
+
+        report = load_into_model(model, m.init_from, engine=engine, key="model.init_from",
+                                 sources=llama_keys.sources(self.dims(m), self.name))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"model.init_from: {describe(report)} (rank 0) from {m.init_from}", flush=True)
 
     def n_heads(self, m) -> int:
         return self.dims(m).n_heads
