@@ -46,8 +46,9 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
     optim_b = 2 * Dtype(pc.main_params_dtype or Dtype.fp32).bytes
     f = shard_factors(cfg.sharding.zero_dp_strategy, cfg.sharding.outer_dp_sharding_strategy,
                       dims.shard_size, dims.dp_outer)
-    # With model.fsdp_unit_modules overridden the units are unknown here: the whole model bounds it.
-    unit = n if m.fsdp_unit_modules else fam.largest_unit_params(m)
+    # With model.fsdp_unit_modules overriding a built-in family's units they are unknown here: the
+    # whole model bounds it. Measured families (custom, hf) know theirs.
+    unit = n if m.fsdp_unit_modules and not fam.measured else fam.largest_unit_params(m)
     act = fam.activation_bytes(m, cfg.train.micro_batch_size, cfg.train.seq_len, compute_b)
     return MemoryEstimate(
         params=n * compute_b / f["params"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .choice import Choice
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from .dtypes import Dtype
 from .fp8 import FP8Format, FP8Recipe

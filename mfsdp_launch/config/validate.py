@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..globs import check_globs_match
 from ..mesh import ParallelDims, world_size
 from ..models import ModelContext, family
+from ..models.family import check_family_keys
 from ..models.meta import meta_names, meta_names_isolated
 from . import machine
 from .dtypes import Dtype
@@ -140,7 +141,8 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     m, fam = cfg.model, family(cfg.model.name)
     ctx = ModelContext(tp=dims.tp, cp=dims.cp, seq_len=cfg.train.seq_len,
                        micro_batch_size=cfg.train.micro_batch_size, fp8_recipe=str(cfg.fp8.recipe),
-                       fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name))
+                       fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name), engine=caps.name)
+    check_family_keys(m, fam.name)
     warnings = fam.check(m, ctx)
     if dims.tp > 1 or dims.cp > 1:
         key = "mesh.tp" if dims.tp > 1 else "mesh.cp"
@@ -154,7 +156,7 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
         raise ConfigError("mesh.tp", f"{dims.tp} does not divide the {heads} attention heads of model={fam.name}")
     if cfg.train.seq_len % dims.cp:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.cp={dims.cp}")
-    if m.freeze or cfg.fp8.skip:
+    if (m.freeze or cfg.fp8.skip) and not fam.measured:
         _check_name_globs(cfg, fam)
     return warnings
 

@@ -14,7 +14,7 @@ from typing import List
 
 from ..errors import ConfigError
 from ..hf import probe as P
-from .family import ModelContext, ModelFamily, ModelSpec, check_family_keys, find_module
+from .family import ModelContext, ModelFamily, ModelSpec, find_module
 from .llama_dims import lm_flops_per_token
 
 # gpt/toy dimension keys: the model's own code decides its dims.
@@ -37,6 +37,7 @@ def kwargs_of(m) -> dict:
 
 class CustomFamily(ModelFamily):
     name = "custom"
+    measured = True
 
     def probe(self, m) -> dict:
         if not m.target:
@@ -46,7 +47,6 @@ class CustomFamily(ModelFamily):
         return P.probe(PROBE, m, crash_key="model.target")
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        check_family_keys(m, self.name)
         refuse_keys(m, GPT_DIM_KEYS, "model=custom takes its dims from model.target")
         self.probe(m)
         if ctx.engine == "megatron_fsdp" and m.init_on_meta and m.init_fn:

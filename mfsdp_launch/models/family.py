@@ -65,6 +65,9 @@ class ModelFamily:
     # TP/CP group sees the same batch), so they accept them.
     model_parallel = False
     attention = True  # has attention heads that tp must divide
+    # Its numbers come from a meta-device build in a short-lived process (models/custom.py, hf.py):
+    # unit sizes are measured, and name globs were checked there.
+    measured = False
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         """Refuse (ConfigError) what this family cannot run; return warnings."""

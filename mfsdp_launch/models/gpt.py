@@ -6,7 +6,7 @@ from typing import List
 
 from ..errors import ConfigError
 from . import llama_dims as L
-from .family import ModelContext, ModelFamily, ModelSpec, check_family_keys, find_module, lm_loss
+from .family import ModelContext, ModelFamily, ModelSpec, find_module, lm_loss
 
 
 class GPTFamily(ModelFamily):
@@ -16,7 +16,6 @@ class GPTFamily(ModelFamily):
         return L.resolve_gpt_dims(m)
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        check_family_keys(m, self.name)
         self.dims(m)  # every dimension rule, with the key that breaks it
         self.check_init_from(m)
         return []

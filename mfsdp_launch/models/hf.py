@@ -15,7 +15,7 @@ from typing import List
 from ..errors import ConfigError
 from ..hf import probe as P
 from .custom import GPT_DIM_KEYS, refuse_keys
-from .family import ModelContext, ModelFamily, ModelSpec, check_family_keys, find_module
+from .family import ModelContext, ModelFamily, ModelSpec, find_module
 from .llama_dims import lm_flops_per_token
 
 PROBE = "mfsdp_launch.models.hf:probe_hf"
@@ -23,6 +23,7 @@ PROBE = "mfsdp_launch.models.hf:probe_hf"
 
 class HFFamily(ModelFamily):
     name = "hf"
+    measured = True
 
     def probe(self, m) -> dict:
         from ..hf.hf_model import INSTALL_HINT, check_model_path
@@ -38,7 +39,6 @@ class HFFamily(ModelFamily):
         return P.probe(PROBE, m, crash_key="model.path" if m.path is not None else "model.hf_config")
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        check_family_keys(m, self.name)
         refuse_keys(m, GPT_DIM_KEYS + ("vocab_size",), "model=hf takes its dims from its config")
         self.probe(m)
         return []

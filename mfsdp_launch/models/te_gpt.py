@@ -8,7 +8,7 @@ from typing import List
 from ..config.fp8 import FP8_GEMM_MULTIPLE
 from ..errors import ConfigError
 from . import llama_dims as L
-from .family import ModelContext, ModelSpec, check_family_keys, find_module
+from .family import ModelContext, ModelSpec, find_module
 from .gpt import GPTFamily
 
 
@@ -17,7 +17,6 @@ class TEGPTFamily(GPTFamily):
     has_te_layers = True
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        check_family_keys(m, self.name)
         d = self.dims(m)
         self.check_init_from(m)
         if ctx.fp8_recipe != "none":
