@@ -42,6 +42,14 @@ class OptimImpl(Choice):
     te_fused = "te_fused"
 
 
+class ACMode(Choice):
+    """model.activation_checkpointing: which transformer blocks recompute their forward in backward."""
+
+    none = "none"
+    full = "full"  # every block
+    selective = "selective"  # every model.ac_every-th block
+
+
 class LauncherKind(Choice):
     torchrun = "torchrun"
     slurm = "slurm"
@@ -123,7 +131,9 @@ class ModelConfig:
     freeze: List[str] = field(default_factory=list)
     # Dotted class names overriding the factory's FSDP unit modules.
     fsdp_unit_modules: List[str] = field(default_factory=list)
-    activation_checkpointing: bool = False
+    # none | full (every block) | selective (every ac_every-th block); models/checkpointing.py.
+    activation_checkpointing: ACMode = ACMode.none
+    ac_every: int = 2
 
 
 @dataclass

@@ -18,7 +18,7 @@ from ..models.meta import meta_names, meta_names_isolated
 from . import machine
 from .dtypes import Dtype
 from .fp8 import FP8Recipe
-from .schema import CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
+from .schema import ACMode, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
 from .sharding import ZeroStrategy, check_sharding
 
 
@@ -142,6 +142,7 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
                        micro_batch_size=cfg.train.micro_batch_size, fp8_recipe=str(cfg.fp8.recipe),
                        fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name))
     warnings = fam.check(m, ctx)
+    _check_activation_checkpointing(m, fam)
     if dims.tp > 1 or dims.cp > 1:
         key = "mesh.tp" if dims.tp > 1 else "mesh.cp"
         if not caps.model_parallel:
@@ -157,6 +158,14 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     if m.freeze or cfg.fp8.skip:
         _check_name_globs(cfg, fam)
     return warnings
+
+
+def _check_activation_checkpointing(m, fam) -> None:
+    if m.ac_every < 1:
+        raise ConfigError("model.ac_every", f"must be >= 1, got {m.ac_every}", "N: checkpoint every N-th block")
+    if m.activation_checkpointing != ACMode.none and not getattr(fam, "activation_checkpointing", False):
+        raise ConfigError("model.activation_checkpointing", f"{m.activation_checkpointing}: model={fam.name} has "
+                          "no transformer blocks to checkpoint", "none")
 
 
 def _check_name_globs(cfg, fam) -> None:
