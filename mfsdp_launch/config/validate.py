@@ -143,8 +143,10 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
                        fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name))
     warnings = fam.check(m, ctx)
     _check_activation_checkpointing(m, fam)
-    if dims.tp > 1 or dims.cp > 1:
-        key = "mesh.tp" if dims.tp > 1 else "mesh.cp"
+    if dims.tp > 1:
+        _check_tp(fam, caps)
+    if dims.cp > 1:
+        key = "mesh.cp"
         if not caps.model_parallel:
             raise ConfigError(key, f"engine={caps.name} shards over the data-parallel dims only",
                               f"1 with engine={caps.name}, or engine=megatron_fsdp")
@@ -158,6 +160,21 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     if m.freeze or cfg.fp8.skip:
         _check_name_globs(cfg, fam)
     return warnings
+
+
+def _check_tp(fam, caps: EngineCaps) -> None:
+    """tp > 1: the engine's own TP mesh with a family that replicates over it (the seed's toys on
+    Megatron-FSDP), or DTensor TP parameters (models/parallelize.py) under an engine that shards them."""
+    dtensor_tp = getattr(fam, "dtensor_tp", False)
+    if (caps.model_parallel and fam.model_parallel) or (caps.dtensor_tp and dtensor_tp):
+        return
+    if dtensor_tp:
+        raise ConfigError("mesh.tp", f"engine={caps.name} with DTensor tensor-parallel parameters is untested "
+                          f"(GPU-only); model={fam.name} has tensor parallelism under engine=fsdp2", "1, or engine=fsdp2")
+    if not (caps.model_parallel or caps.dtensor_tp):
+        raise ConfigError("mesh.tp", f"engine={caps.name} shards over the data-parallel dims only",
+                          f"1 with engine={caps.name}, or engine=megatron_fsdp")
+    raise ConfigError("mesh.tp", f"model={fam.name} has no tensor parallelism under engine={caps.name} yet", "1")
 
 
 def _check_activation_checkpointing(m, fam) -> None:

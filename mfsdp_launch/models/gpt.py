@@ -14,6 +14,12 @@ class GPTFamily(ModelFamily):
     # model.activation_checkpointing wraps each Block / TE TransformerLayer (models/checkpointing.py).
     activation_checkpointing = True
 
+    @property
+    def dtensor_tp(self) -> bool:
+        """mesh.tp through DTensor (models/parallelize.py): the torch GPT only; te_gpt's TE layers
+        would need TE's own tp_group/sequence_parallel, not wired yet."""
+        return not self.has_te_layers
+
     def dims(self, m) -> L.GPTDims:
         return L.resolve_gpt_dims(m)
 
