@@ -107,7 +107,8 @@ class FSDP2Engine(Engine):
 
 
 def _distinct_shards(t) -> int:
-    """How many different pieces a (DTensor) gradient is split into over its mesh."""
+    """How many different pieces a (DTensor) gradient is split into over its mesh (FSDP2 puts
+    _StridedShard, which is not `is_shard()`, on dp when tp shards the same dim)."""
     placements = getattr(t, "placements", ())
     mesh = getattr(t, "device_mesh", None)
-    return math.prod(mesh.size(i) for i, p in enumerate(placements) if p.is_shard()) if mesh is not None else 1
+    return math.prod(mesh.size(i) for i, p in enumerate(placements) if not p.is_replicate()) if mesh is not None else 1
