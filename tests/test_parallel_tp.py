@@ -50,10 +50,10 @@ def test_tp2_with_dp2_on_4_ranks_matches_tp1(tmp_path, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first,second", [(TP2, ONE), (ONE, TP2)], ids=["tp2_to_tp1", "tp1_to_tp2"])
-def test_checkpoint_reshards_between_tp_degrees(tmp_path, reference, first, second):
-    run(tmp_path / "run", *first, steps=10, save=True)
-    out = run(tmp_path / "run", *second, steps=20)
-    assert "resum" in (out.stdout + out.stderr).lower()
-    resumed = metrics(tmp_path / "run")
-    assert_same_curve(reference, resumed, range(11, 21))
+def test_checkpoint_reshards_tp2_to_tp1_and_back(tmp_path, reference):
+    """One run dir: steps 1-7 at tp=2, 8-14 resumed at tp=1, 15-20 resumed at tp=2 again."""
+    run(tmp_path / "run", *TP2, steps=7, save=True)
+    for overrides, steps in ((ONE, 14), (TP2, 20)):
+        out = run(tmp_path / "run", *overrides, steps=steps, save=True)
+        assert "resum" in (out.stdout + out.stderr).lower()
+    assert_same_curve(reference, metrics(tmp_path / "run"), range(1, 21))
