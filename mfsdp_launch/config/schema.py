@@ -213,6 +213,8 @@ class LauncherConfig:
     account: Optional[str] = None
     time_limit: str = "04:00:00"
     gpus_per_node: Optional[int] = None
+    # Start even when the memory estimate (memory.py) exceeds the GPU's memory.
+    force_memory: bool = False
 
 
 @dataclass

@@ -39,6 +39,7 @@ def validate(cfg, *, check_hardware: bool = True) -> List[str]:
     if check_hardware and cfg.launcher.kind == LauncherKind.torchrun:
         machine.check_installs(cfg, probe=True)
         machine.check_gpus(cfg)
+        warnings += _check_memory(cfg, dims)
     else:
         # A dry run or an sbatch script is prepared on a machine that need not run it.
         try:
@@ -160,6 +161,16 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     if m.freeze or cfg.fp8.skip:
         _check_name_globs(cfg, fam)
     return warnings
+
+
+def _check_memory(cfg, dims: ParallelDims) -> List[str]:
+    """The dry run's estimate against the GPU's memory (memory.py), GPU runs only."""
+    from ..memory import check_fits, estimate, gpu_memory_bytes
+
+    if cfg.engine.backend == "gloo":
+        return []
+    msg = check_fits(estimate(cfg, dims).total, gpu_memory_bytes(), force=cfg.launcher.force_memory)
+    return [msg] if msg else []
 
 
 def _check_tp(fam, caps: EngineCaps) -> None:

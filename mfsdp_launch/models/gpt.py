@@ -25,6 +25,9 @@ class GPTFamily(ModelFamily):
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)  # every dimension rule, with the key that breaks it
+        if ctx.tp > 1 and d.n_heads % ctx.tp:
+            raise ConfigError("mesh.tp", f"{ctx.tp} does not divide the {d.n_heads} attention heads of "
+                              f"model={self.name}", "a divisor of model.n_heads")
         if ctx.tp > 1 and d.n_kv_heads % ctx.tp:
             raise ConfigError("mesh.tp", f"{ctx.tp} does not divide the {d.n_kv_heads} key/value heads of "
                               f"model={self.name} (model.n_kv_heads)", "a divisor of model.n_kv_heads")
