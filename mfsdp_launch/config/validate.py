@@ -181,7 +181,8 @@ def _check_tp(fam, caps: EngineCaps) -> None:
         return
     if dtensor_tp:
         raise ConfigError("mesh.tp", f"engine={caps.name} with DTensor tensor-parallel parameters is untested "
-                          f"(GPU-only); model={fam.name} has tensor parallelism under engine=fsdp2", "1, or engine=fsdp2")
+                          f"(GPU-only); model={fam.name} has tensor parallelism under engine=fsdp2",
+                          "1, or engine=fsdp2")
     if not (caps.model_parallel or caps.dtensor_tp):
         raise ConfigError("mesh.tp", f"engine={caps.name} shards over the data-parallel dims only",
                           f"1 with engine={caps.name}, or engine=megatron_fsdp")
