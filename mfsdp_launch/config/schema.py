@@ -42,6 +42,14 @@ class OptimImpl(Choice):
     te_fused = "te_fused"
 
 
+class ACMode(Choice):
+    """model.activation_checkpointing: which transformer blocks recompute their forward in backward."""
+
+    none = "none"
+    full = "full"  # every block
+    selective = "selective"  # every model.ac_every-th block
+
+
 class LauncherKind(Choice):
     torchrun = "torchrun"
     slurm = "slurm"
@@ -131,7 +139,9 @@ class ModelConfig:
     freeze: List[str] = field(default_factory=list)
     # Dotted class names overriding the factory's FSDP unit modules.
     fsdp_unit_modules: List[str] = field(default_factory=list)
-    activation_checkpointing: bool = False
+    # none | full (every block) | selective (every ac_every-th block); models/checkpointing.py.
+    activation_checkpointing: ACMode = ACMode.none
+    ac_every: int = 2
     # model=custom (models/custom.py): `pkg.module:function` building the nn.Module, its keyword
     # arguments, an optional `pkg.module:fn(model)` initializing it, and the batch contract.
     # kwargs/hf_config are `Any` (a mapping, checked by the family): a typed Dict field would be
@@ -226,6 +236,8 @@ class LauncherConfig:
     account: Optional[str] = None
     time_limit: str = "04:00:00"
     gpus_per_node: Optional[int] = None
+    # Start even when the memory estimate (memory.py) exceeds the GPU's memory.
+    force_memory: bool = False
 
 
 @dataclass

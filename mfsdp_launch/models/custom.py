@@ -74,7 +74,7 @@ class CustomFamily(ModelFamily):
 
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
         p = self.probe(m)
-        return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, bool(m.activation_checkpointing),
+        return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, m.activation_checkpointing != "none",
                                   p["vocab_size"])
 
     def largest_unit_params(self, m) -> int:

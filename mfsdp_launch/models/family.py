@@ -68,6 +68,8 @@ class ModelFamily:
     # Its numbers come from a meta-device build in a short-lived process (models/custom.py, hf.py):
     # unit sizes are measured, and name globs were checked there.
     measured = False
+    activation_checkpointing = False  # has blocks that model.activation_checkpointing can wrap
+    dtensor_tp = False  # tensor parallel through DTensor (models/parallelize.py)
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         """Refuse (ConfigError) what this family cannot run; return warnings."""

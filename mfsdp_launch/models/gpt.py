@@ -11,13 +11,27 @@ from .family import ModelContext, ModelFamily, ModelSpec, find_module, lm_loss
 
 class GPTFamily(ModelFamily):
     name = "gpt"
+    # model.activation_checkpointing wraps each Block / TE TransformerLayer (models/checkpointing.py).
+    activation_checkpointing = True
+
+    @property
+    def dtensor_tp(self) -> bool:
+        """mesh.tp through DTensor (models/parallelize.py): the torch GPT only; te_gpt's TE layers
+        would need TE's own tp_group/sequence_parallel, not wired yet."""
+        return not self.has_te_layers
 
     def dims(self, m) -> L.GPTDims:
         return L.resolve_gpt_dims(m)
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        self.dims(m)  # every dimension rule, with the key that breaks it
+        d = self.dims(m)  # every dimension rule, with the key that breaks it
         self.check_init_from(m)
+        # (tp dividing n_heads is validation's generic rule for every family with attention)
+        if ctx.tp > 1 and d.n_kv_heads % ctx.tp:
+            raise ConfigError("mesh.tp", f"{ctx.tp} does not divide the {d.n_kv_heads} key/value heads of "
+                              f"model={self.name} (model.n_kv_heads)", "a divisor of model.n_kv_heads")
+        if ctx.tp > 1 and d.ffn_dim % ctx.tp:
+            raise ConfigError("mesh.tp", f"{ctx.tp} does not divide model.ffn_dim={d.ffn_dim}")
         return []
 
     # --- model.init_from: a Llama-layout HF directory (hf/config.py, hf/load.py) -----------------
@@ -77,9 +91,9 @@ class GPTFamily(ModelFamily):
     def flops_per_token(self, m, seq_len: int) -> float:
         return L.flops_per_token(self.dims(m), seq_len)
 
-    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
+    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> int:
         return L.activation_bytes(self.dims(m), micro_batch_size, seq_len, bytes_per_el,
-                                  bool(m.activation_checkpointing))
+                                  str(m.activation_checkpointing), m.ac_every, tp)
 
     def largest_unit_params(self, m) -> int:
         # Units: each Block; the root holds the embedding, final norm and head.
