@@ -9,10 +9,10 @@ from mfsdp_launch.engines.megatron import (
     _restore_hfsdp_grad_scaling,
     make_capturable,
     match_capturable,
-    plan_megatron_fsdp,
     reset_step_counters,
     unwrap,
 )
+from mfsdp_launch.engines.megatron_plan import plan_megatron_fsdp
 from mfsdp_launch.errors import ConfigError
 from mfsdp_launch.mesh import ParallelDims
 from mfsdp_launch.config.schema import EngineConfig, MeshConfig, PrecisionConfig, ShardingConfig

@@ -15,17 +15,17 @@ from .gpt import GPTFamily
 class TEGPTFamily(GPTFamily):
     name = "te_gpt"
     has_te_layers = True
+    doc_mask = False  # TE's variable-length (THD) attention, which a document mask needs, is not wired yet
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)
-        if ctx.doc_mask:
-            raise ConfigError("data.doc_mask", "model=te_gpt has no document mask yet (TE's THD attention is "
-                              "not wired)", "false, or model=gpt")
+        self.check_init_from(m)
         if ctx.fp8_recipe != "none":
             _check_fp8_shapes(d, ctx)
         return []
 
     def resolve(self, m, compute_dtype) -> None:
+        super().resolve(m, compute_dtype)  # model.init_from's dims
         # TE layers compute in their parameters' dtype (FP8 weights keep it as the high-precision copy).
         if m.params_dtype is None:
             m.params_dtype = compute_dtype

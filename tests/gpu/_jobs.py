@@ -587,7 +587,7 @@ def _fp32_loss_step(e, m, o, spec, batch, rec) -> float:
 
 def _fp8_history(m) -> Dict[str, List[float]]:
     """Sums of each TE module's delayed-scaling scales and amax histories (fwd and bwd)."""
-    from mfsdp_launch.engines.megatron import _delayed_state, _te_modules
+    from mfsdp_launch.engines.te_state import _delayed_state, _te_modules
 
     out = {}
     for name, mod in _te_modules(m.module):
