@@ -82,8 +82,9 @@ def describe(record: Optional[dict]) -> str:
     what = f"pid {record.get('pid')} on host {record.get('host')}"
     if record.get("started"):
         what += f" since {record['started']}"
-    if record.get("command"):
-        what += f" ({record['command']})"
+    command = str(record.get("command") or "")
+    if command:
+        what += f" ({command if len(command) <= 100 else command[:97] + '...'})"
     return what
 
 
@@ -135,6 +136,11 @@ class RunLock:
             return True
         except BlockingIOError:
             holder = self._read(fd)
+            for _ in range(20):  # taken an instant ago: its holder is writing its record
+                if holder:
+                    break
+                time.sleep(0.05)
+                holder = self._read(fd)
             os.close(fd)
             raise ConfigError("run.dir", f"{self.run_dir} is in use by {describe(holder)}: {self.path} is held",
                               "wait for that run to end, or another run.dir") from None

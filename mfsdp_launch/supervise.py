@@ -238,12 +238,14 @@ class OutputRouter:
         """Show the root cause's traceback; name the other ranks that printed one."""
         if not self.held:
             return
-        rank = root_rank if root_rank in self.held else self.first_failing_rank()
-        self.console.write("".join(self.held[rank]), sys.stderr, to_log=False)
-        others = sorted(r for r in self.held if r != rank)
+        if root_rank is None:
+            root_rank = self.first_failing_rank()
+        if root_rank in self.held:  # (a rank killed by a signal printed nothing: the others' errors follow from it)
+            self.console.write("".join(self.held[root_rank]), sys.stderr, to_log=False)
+        others = sorted(r for r in self.held if r != root_rank)
         if others:
-            self.console.err(f"mfsdp-train: rank(s) {', '.join(map(str, others))} failed after rank {rank} "
-                             "(their tracebacks are in their logs)")
+            self.console.err(f"mfsdp-train: rank(s) {', '.join(map(str, others))} also failed: their tracebacks "
+                             "are in logs/rank<N>.stderr.log")
 
     def show_all_held(self) -> None:
         """A run that finished although ranks printed tracebacks (caught and printed by a library)."""
