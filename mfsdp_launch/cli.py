@@ -165,6 +165,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if any(a in ("-m", "--multirun") for a in overrides):
         from .sweep import run_sweep
 
+        if opts["cfg"]:
+            eprint("mfsdp-train: error: --cfg: not supported with -m/--multirun "
+                   "(allowed: key=value overrides; launcher.dry_run=true shows each job)")
+            return exit_codes.CONFIG
+
         return run_sweep(overrides)
     try:
         from .compose import compose
