@@ -15,7 +15,6 @@ import pytest
 
 from conftest import cli
 from mfsdp_launch import exit_codes, rundir
-from mfsdp_launch.runlock import RunLock
 
 
 def one_line_error(r) -> str:
@@ -122,6 +121,8 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
 
 
 def test_lock_records_its_holder_and_other_nodes_lock_their_own_file(tmp_path):
+    from mfsdp_launch.runlock import RunLock
+
     with RunLock(tmp_path, command="me") as lock:
         record = json.loads((tmp_path / rundir.LOCK).read_text())
         assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()

@@ -48,9 +48,20 @@ def wait_for_steps(run_dir: Path, n: int, proc, timeout: float = 120) -> None:
 
 def tree(pid: int) -> list:
     """pid's live descendants (torchrun and the ranks), from /proc."""
-    from mfsdp_launch.supervise import descendants
-
-    return descendants(pid)
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
 
 
 def alive(pid: int) -> bool:
@@ -149,7 +160,8 @@ def test_sigterm_to_the_launcher_saves_and_exits_with_the_interrupted_code(tmp_p
 def test_sigterm_to_every_process_is_a_graceful_preemption_without_traceback(tmp_path):
     """What SLURM does on preemption or scancel: SIGTERM to the launcher, torchrun and the ranks."""
     run_dir = tmp_path / "run"
-    proc, f = start(run_dir, "train.steps=100000", log=tmp_path / "out.log")
+    # 5. With the stall watchdog dumping all through start-up: no rank may crash (SIGSEGV).
+    proc, f = start(run_dir, "train.steps=100000", "train.stall_dump_s=0.2", log=tmp_path / "out.log")
     wait_for_steps(run_dir, 2, proc)
     for pid in [proc.pid, *tree(proc.pid)]:
         os.kill(pid, signal.SIGTERM)
@@ -160,6 +172,7 @@ def test_sigterm_to_every_process_is_a_graceful_preemption_without_traceback(tmp
     stopped = metric_steps(run_dir)[-1]
     assert (run_dir / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()
     assert f"interrupted at step {stopped}/" in err
+    assert "stall watchdog: no step for" in (run_dir / "logs" / "rank1.stderr.log").read_text()
 
 
 # --- 6. logs, one traceback, the summary --------------------------------------------------------

@@ -117,3 +117,52 @@ def test_a_stall_dumps_stacks_and_the_flight_recorder_per_rank(tmp_path):
     entries = trace["entries"]
     assert len(entries) >= 4 and all(e["profiling_name"] == "gloo:all_reduce" for e in entries)
     assert entries[-1]["state"] != "completed"  # the collective it is stuck in
+
+
+GPU_WORKER = """
+import os, sys, time
+import torch, torch.distributed as dist
+from mfsdp_launch.watchdog import StallWatchdog
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+wd = StallWatchdog(1.0, label=f"rank {rank}: ", logs_dir=sys.argv[1])
+wd.start()
+t = torch.ones(1024, device="cuda")
+for _ in range(3):
+    dist.all_reduce(t)
+torch.cuda.synchronize()
+wd.arm()
+def stuck_in_all_reduce():
+    dist.all_reduce(t)
+    torch.cuda.synchronize()  # the GPU waits for rank 1 in NCCL; this thread waits for the GPU
+if rank == 1:
+    time.sleep(4)
+stuck_in_all_reduce()
+wd.stop()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.gpu
+def test_an_nccl_stall_dumps_the_nccl_flight_recorder(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from mfsdp_launch.launch import diagnostics_env
+
+    script = tmp_path / "stall_nccl.py"
+    script.write_text(GPU_WORKER)
+    logs = tmp_path / "logs"
+    env = {**cli_env(), **diagnostics_env(None, environ={}), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+                        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script), str(logs)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "stuck_in_all_reduce" in r.stderr
+    dump = logs / "flight_recorder_stall_nccl_rank0"
+    assert f"flight recorder written to {dump}" in r.stderr, r.stderr[-3000:]
+    entries = pickle.loads(dump.read_bytes())["entries"]
+    assert any("nccl:all_reduce" in e["profiling_name"] for e in entries), entries[:2]
+    assert entries[-1]["state"] != "completed"  # the collective rank 0 waits in
