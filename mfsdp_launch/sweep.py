@@ -109,7 +109,7 @@ def run_sweep(argv: List[str]) -> int:
     if job_dirs is None:  # a sweeper that returns no JobReturns: look at the sweep dir itself
         job_dirs = job_dirs_in(sweep_dir)
     rows = summarize(job_dirs, sweep_dir)
-    if interrupted:
+    if interrupted or _STATE["stop"]:  # Ctrl-C between jobs, or a job stopped on request
         return exit_codes.INTERRUPTED
     if aborted:
         return exit_codes.FAILED

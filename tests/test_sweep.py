@@ -13,7 +13,7 @@ import pytest
 
 from conftest import cli
 from mfsdp_launch import launch as launch_mod
-from mfsdp_launch import rundir, sweep
+from mfsdp_launch import exit_codes, rundir, sweep
 
 SMALL = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
          "train.grad_accum_steps=1"]
@@ -160,7 +160,7 @@ def test_unfinished_job_runs_again_and_a_final_checkpoint_counts_as_finished(tmp
 def test_a_stopped_job_stops_the_sweep(tmp_path, fake, capsys):
     f = fake(stop_at=1)  # exits 0 before train.steps: a graceful stop on request
     rc = sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3"))
-    assert rc == 1 and len(f.calls) == 1
+    assert rc == exit_codes.INTERRUPTED and len(f.calls) == 1
     statuses = [r["status"] for r in rows_of(tmp_path / "sw" / rundir.SWEEP_SUMMARY)]
     assert statuses == ["stopped", "not_run"]
     assert "stopping the sweep" in capsys.readouterr().err
