@@ -129,7 +129,8 @@ def summary_line(end: Ending, train_steps: int, wall_s: float, run_dir: Path, wh
         parts[0] += f" ({why})"
     details = []
     if end.loss is not None:
-        details.append(f"loss {_loss(end.loss)}" + (f" (val {_loss(end.val_loss)})" if end.val_loss is not None else ""))
+        val = f" (val {_loss(end.val_loss)})" if end.val_loss is not None else ""
+        details.append(f"loss {_loss(end.loss)}{val}")
     details.append(f"last checkpoint {end.checkpoint}" if end.checkpoint else "no checkpoint")
     tail = f"; exit code {end.code}"
     if end.code in (exit_codes.INTERRUPTED, exit_codes.ABORTED):

@@ -38,7 +38,7 @@ from .atomic_io import atomic_write_text
 from .errors import ConfigError
 from . import exit_codes, launch, rundir
 from .console import eprint
-from .runstate import final_checkpoint_step, last_metrics, reached_step, read_metrics  # noqa: F401 (re-exported)
+from .runstate import final_checkpoint_step, last_metrics, reached_step
 
 SUMMARY_MD = "sweep_summary.md"
 

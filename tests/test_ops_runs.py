@@ -92,12 +92,14 @@ def test_two_runs_started_together_one_refuses_and_the_other_finishes_unharmed(t
     winner, loser = (0, 1) if codes[0] == exit_codes.OK else (1, 0)
     lines = errs[loser].strip().splitlines()
     assert len(lines) == 1, errs[loser]
-    assert lines[0].startswith(f"mfsdp-train: error: run.dir: {run_dir} is in use by pid {procs[winner][0].pid} on host")
+    holder = procs[winner][0].pid
+    assert lines[0].startswith(f"mfsdp-train: error: run.dir: {run_dir} is in use by pid {holder} on host")
     # The winner's run is whole: every step once, its checkpoints, its log; the lock is gone.
     assert metric_steps(run_dir) == [1, 2, 3, 4, 5, 6]
     assert (run_dir / "checkpoints" / "step_6" / "manifest.json").is_file()
     assert not (run_dir / rundir.LOCK).exists()
-    summary = [ln for ln in (tmp_path / f"{winner}.log").read_text().splitlines() if ln.startswith("mfsdp-train: finished")]
+    out = (tmp_path / f"{winner}.log").read_text()
+    summary = [ln for ln in out.splitlines() if ln.startswith("mfsdp-train: finished")]
     assert summary and "step 6/6" in summary[0] and "last checkpoint step_6" in summary[0], summary
 
     # 9. The finished run again (or with fewer steps): one line, exit 0, nothing spawned.
