@@ -65,7 +65,9 @@ def dump_flight_recorder(logs_dir: Path, rank: int) -> list:
         if fn is None:
             continue
         try:
-            data = fn(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+            # No stack traces: symbolizing them from this thread during an NCCL hang crashed a
+            # rank (SIGSEGV, torch 2.11 on H200); the Python stacks are printed beside it anyway.
+            data = fn(includeCollectives=True, includeStackTraces=False, onlyActive=False)
         except Exception:  # noqa: BLE001 - e.g. NCCL built in but not used
             continue
         path = Path(logs_dir) / f"{prefix}{rank}"
