@@ -13,10 +13,8 @@ MEANING = {
     OK: "finished: the run reached train.steps (or already had: nothing to do)",
     FAILED: "training failed (a rank crashed or was killed); the failing rank's traceback is shown",
     CONFIG: "bad config, bad arguments, or run.dir unusable or in use by another run; nothing started",
-    INTERRUPTED: "stopped on request (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1, STOP file) with a checkpoint "
-                 "saved: run the same command to resume",
-    ABORTED: "stopped on a second request without saving the last steps: re-running resumes from "
-             "the last committed checkpoint",
+    INTERRUPTED: "stopped on request (Ctrl-C, SIGTERM/HUP/USR1, STOP file), checkpoint saved: re-run to resume",
+    ABORTED: "stopped by a second request without saving: re-run resumes from the last checkpoint",
 }
 
 
