@@ -134,7 +134,7 @@ def summary_line(end: Ending, train_steps: int, wall_s: float, run_dir: Path, wh
     details.append(f"last checkpoint {end.checkpoint}" if end.checkpoint else "no checkpoint")
     tail = f"; exit code {end.code}"
     if end.code in (exit_codes.INTERRUPTED, exit_codes.ABORTED):
-        tail += ", run the same command to resume"
+        tail += ", run the same command to " + ("resume" if end.checkpoint else "start again")
     logs = Path(run_dir) / rundir.LOGS
     return f"mfsdp-train: {parts[0]}: {', '.join(details)}{tail}; logs in {logs}"
 
