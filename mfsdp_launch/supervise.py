@@ -82,7 +82,9 @@ def _torchrun_preexec(launcher_pid: int):
 def torchrun_env(env: dict) -> dict:
     """torchrun's own settings: which signals it turns into a shutdown, and the tee prefix."""
     env = dict(env)
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+    # Not SIGTERM (ignored, see _torchrun_preexec). Recent torchruns take --signals-to-handle
+    # (PET_SIGNALS_TO_HANDLE) and overwrite the older TORCHELASTIC_ variable with its value.
+    env["PET_SIGNALS_TO_HANDLE"] = env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = PREFIX_TEMPLATE
     return env
 
