@@ -66,6 +66,7 @@ Python + json: torch is imported only inside ``CheckpointManager`` and the load/
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import os
@@ -308,9 +309,11 @@ def _plain(value):
         from omegaconf import DictConfig, ListConfig, OmegaConf
 
         if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
+            return OmegaConf.to_container(value, resolve=True, enum_to_str=True)
     except ImportError:  # pragma: no cover
         pass
+    if isinstance(value, enum.Enum):
+        return value.name
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
     if isinstance(value, dict):
@@ -328,14 +331,9 @@ def model_section(model_cfg) -> dict:
     section["params_dtype"] = _get(model_cfg, "params_dtype")
     shape = None
     try:
-        from .models.sizes import GPT_MODELS, resolve_gpt_dims, resolve_toy_dims
+        from .models import family
 
-        if name in GPT_MODELS:
-            d = resolve_gpt_dims(model_cfg)
-            shape = {k: getattr(d, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                                "vocab_size", "tie_embeddings")}
-        else:
-            shape = dataclasses.asdict(resolve_toy_dims(model_cfg))
+        shape = family(name).shape(model_cfg)
         if name.startswith("te_"):
             shape["fuse_qkv"] = bool(_get(model_cfg, "fuse_qkv", False))
     except Exception:  # an unresolvable model is validation's business, not ours
@@ -409,7 +407,7 @@ def _shape_of(section: dict) -> Optional[dict]:
     fields (a section written as the raw model config)."""
     if isinstance(section.get("shape"), dict):
         return section["shape"]
-    from .schema import ModelConfig
+    from .config.schema import ModelConfig
 
     base = ModelConfig()
     for k, v in section.items():

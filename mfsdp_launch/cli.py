@@ -172,7 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run_sweep(overrides)
     try:
-        from .compose import compose
+        from .config.compose import compose
 
         cfg = compose(overrides)
         if opts["cfg"]:

@@ -344,11 +344,11 @@ def check_data_config(data_cfg: Any, *, vocab_size: Optional[int]) -> None:
     Raises ValueError with a one-line message naming the offending key. ``vocab_size`` is the
     model's vocab; it must be >= the tokenizer's (256 for bytes). None skips that comparison.
     """
-    from .schema import DATASETS
+    from .config.schema import Dataset
 
     name = _cfg(data_cfg, "name", "synthetic")
-    if name not in DATASETS:
-        raise _config_error(f"data.name: unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+    if name not in set(Dataset):
+        raise _config_error(f"data.name: unknown dataset {name!r}; expected one of {', '.join(Dataset)}")
     if vocab_size is not None and int(vocab_size) < 1:
         raise _config_error(f"model.vocab_size: must be >= 1, got {vocab_size}")
     if name == "synthetic":

@@ -6,8 +6,8 @@ import sys
 from typing import List
 
 from .memory import GIB, estimate
-from .mesh import ParallelDims
-from .validate import world_size
+from .mesh import ParallelDims, world_size
+from .models import family
 
 
 def render(cfg, warnings: List[str], console=None) -> None:
@@ -21,7 +21,6 @@ def render(cfg, warnings: List[str], console=None) -> None:
     console.print(f"[bold]mfsdp-launch dry run[/bold]: run.dir={cfg.run.dir}")
     console.print(
         f"engine={cfg.engine.name}  model={cfg.model.name}"
-        + (f"({cfg.model.preset})" if cfg.model.name in ("gpt", "te_gpt") else "")
         + f"  data={cfg.data.name}  fp8={cfg.fp8.recipe}{' +params' if cfg.fp8.params else ''}"
     )
     console.print(
@@ -53,9 +52,9 @@ def render(cfg, warnings: List[str], console=None) -> None:
         table.add_row(*(str(row[c]) for c in coords), *(_short(g[k]) for k in group_dims))
     console.print(table)
 
-    from .models import sizes
-
-    n_params = sizes.param_count(cfg.model)
+    fam = family(cfg.model.name)
+    n_params = fam.param_count(cfg.model)
+    console.print(fam.describe(cfg.model, cfg.train.seq_len))
     mem = estimate(cfg, dims)
     mt = Table(title=f"memory per rank (estimate; {n_params / 1e6:,.1f}M parameters)", box=box.SIMPLE_HEAD)
     mt.add_column("state")

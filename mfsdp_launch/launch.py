@@ -22,9 +22,12 @@ NCCL_TRACE_ENTRIES = "2000"  # flight recorder ring size per process group (PyTo
 
 
 def check(cfg) -> List[str]:
-    """Validate a composed config; returns its warnings, raises ConfigError."""
+    """Resolve and validate a composed config; returns its warnings, raises ConfigError."""
+    from .config.resolve import resolve
+    from .config.validate import validate
     from .runlock import check_run_dir
-    from .validate import validate
+
+    resolve(cfg)
 
     # A dry run is prepared on a machine that need not run it, and it resumes nothing.
     if cfg.launcher.dry_run:
@@ -62,7 +65,7 @@ def _preflight(cfg) -> None:
 
 
 def prepare_run_dir(cfg, overrides: List[str]) -> Path:
-    from .compose import save_frozen
+    from .config.compose import save_frozen
 
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)

@@ -21,6 +21,11 @@ FLATTENED = {
 }
 
 
+def world_size(launcher_cfg) -> int:
+    """Ranks of the job: nodes x processes per node."""
+    return launcher_cfg.nnodes * launcher_cfg.nproc_per_node
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_outer: int

@@ -1,43 +1,33 @@
-"""Mixed precision and FP8: dtype names, the engine's precision policy inputs, TE recipes."""
+"""Mixed precision and FP8 at run time: torch dtypes, TE recipes, autocast and fp8.skip."""
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from typing import Optional
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
-
-
-_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+from .config.dtypes import Dtype
+from .config.fp8 import FP8Recipe, min_capability
+from .errors import ConfigError
+from .globs import check_globs_match, matching
 
 
 def torch_dtype(name: Optional[str]):
-    """Map a config dtype name ('bf16', or torch's 'bfloat16') to a torch dtype; None stays None."""
+    """A config dtype name ('bf16') -> the torch dtype; None stays None."""
     if name is None:
         return None
     import torch
 
-    key = str(name).lower()
-    key = _TORCH_NAMES.get(key, key)
-    if key not in _TORCH_NAMES.values():
-        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(_TORCH_NAMES)}")
-    return getattr(torch, key)
-
-
-def fp8_min_capability(recipe: str):
-    """Compute capability a recipe needs on the GPU."""
-    return (10, 0) if recipe == "mxfp8" else (8, 9)
+    return getattr(torch, Dtype(name).torch_name)
 
 
 def check_fp8_hardware(fp8_cfg) -> None:
     """Refuse FP8 on GPUs that cannot run the recipe; never fall back silently."""
-    if fp8_cfg.recipe == "none":
+    if fp8_cfg.recipe == FP8Recipe.none:
         return
-    from .errors import ConfigError
     from .hardware import gpu_compute_capability
 
     have = gpu_compute_capability()
-    need = fp8_min_capability(fp8_cfg.recipe)
+    need = min_capability(fp8_cfg.recipe)
     if tuple(have) < need:
         raise ConfigError(
             "fp8.recipe",
@@ -49,11 +39,11 @@ def check_fp8_hardware(fp8_cfg) -> None:
 
 def build_fp8_recipe(fp8_cfg):
     """The Transformer Engine recipe object for fp8.recipe, or None."""
-    if fp8_cfg.recipe == "none":
+    if fp8_cfg.recipe == FP8Recipe.none:
         return None
     from transformer_engine.common import recipe as te_recipe
 
-    fmt = getattr(te_recipe.Format, fp8_cfg.format)
+    fmt = getattr(te_recipe.Format, str(fp8_cfg.format))
     if fp8_cfg.recipe == "delayed":
         return te_recipe.DelayedScaling(
             fp8_format=fmt,
@@ -99,25 +89,20 @@ def apply_fp8_skip(model, patterns) -> list:
     layers): their forward runs inside a nested autocast with FP8 disabled. Returns the matched
     module names; a glob that matches nothing is an error, never a silent no-op.
     """
-    import fnmatch
     import functools
 
-    from .validate import check_globs_match
+    modules = {name: module for name, module in model.named_modules() if name}
+    check_globs_match("fp8.skip", patterns, list(modules), "module")
+    matched = matching(modules, patterns)
+    for name in matched:
+        original = modules[name].forward
 
-    named = [(name, module) for name, module in model.named_modules() if name]
-    check_globs_match("fp8.skip", patterns, [name for name, _ in named], "module")
-    matched = []
-    for name, module in named:
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            original = module.forward
+        @functools.wraps(original)
+        def forward(*args, __original=original, **kwargs):
+            with _fp8_disabled():
+                return __original(*args, **kwargs)
 
-            @functools.wraps(original)
-            def forward(*args, __original=original, **kwargs):
-                with _fp8_disabled():
-                    return __original(*args, **kwargs)
-
-            module.forward = forward
-            matched.append(name)
+        modules[name].forward = forward
     return matched
 
 

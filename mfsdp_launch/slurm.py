@@ -25,6 +25,20 @@ from .supervise import PREFIX_TEMPLATE
 DEFAULT_RDZV_PORT_BASE = 20000  # the port is derived from the job id: two jobs never share one
 
 
+def rendezvous_port(job_id) -> int:
+    """The c10d port of a SLURM job: derived from its id, so two jobs never share one."""
+    return DEFAULT_RDZV_PORT_BASE + int(job_id) % 20000
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist like 'gpu[003-004,007],cpu01'."""
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        return prefix + rest.rstrip("]").split(",")[0].split("-")[0]
+    return head
+
+
 def gpus_per_node(cfg) -> Optional[int]:
     """launcher.gpus_per_node, else one GPU per process unless the job is CPU-only (gloo)."""
     lc = cfg.launcher

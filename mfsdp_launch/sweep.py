@@ -62,7 +62,7 @@ def run_sweep(argv: List[str]) -> int:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    from .compose import config_dir, config_error_from, register_schema
+    from .config.compose import config_dir, config_error_from, register_schema
 
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
     flags = [a for a in overrides if a.startswith("-")]
@@ -239,7 +239,7 @@ def sweep_job(cfg) -> dict:
         print(f"mfsdp-train: sweep job #{num} {label}: not run (the sweep was stopped)", flush=True)
         return finish("not_run", error="the sweep was stopped before this job")
     try:
-        from .compose import finalize
+        from .config.compose import finalize
 
         job_cfg = finalize(cfg)
         job_cfg.run.dir = str(jdir)

@@ -32,7 +32,8 @@ def _child(rank: int, world: int, port: int, workdir: Path, preset: str, device_
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
     from mfsdp_launch.mesh import ParallelDims
     from mfsdp_launch.models import build_model_spec
-    from mfsdp_launch.schema import CheckpointConfig, Config, EngineConfig, PrecisionConfig, ShardingConfig
+    from mfsdp_launch.config.schema import CheckpointConfig, Config, EngineConfig, PrecisionConfig, ShardingConfig
+    from mfsdp_launch.config.sharding import ZeroStrategy
 
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -53,7 +54,7 @@ def _child(rank: int, world: int, port: int, workdir: Path, preset: str, device_
         spec = build_model_spec(cfg.model, 32)
         with device:
             model = spec.build()
-        engine = FSDP2Engine(engine_cfg=EngineConfig(), sharding_cfg=ShardingConfig(zero_dp_strategy="optim_grads_params"),
+        engine = FSDP2Engine(engine_cfg=EngineConfig(), sharding_cfg=ShardingConfig(zero_dp_strategy=ZeroStrategy.optim_grads_params),
                              precision_cfg=PrecisionConfig(compute_dtype="fp32"), dims=dims, mesh=mesh,
                              device=device)
         model = engine.shard(model, spec, init_on_meta=False)
@@ -62,7 +63,7 @@ def _child(rank: int, world: int, port: int, workdir: Path, preset: str, device_
 
     spec, engine, model, opt = build(0)
     n_params = spec.num_params
-    from mfsdp_launch.models.sizes import resolve_gpt_dims
+    from mfsdp_launch.models.llama_dims import resolve_gpt_dims
 
     ids = torch.randint(0, resolve_gpt_dims(cfg.model).vocab_size, (1, 33), device=device)
     loss = spec.loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})

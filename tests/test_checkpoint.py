@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from mfsdp_launch import checkpoint as C
 from mfsdp_launch.errors import ConfigError
-from mfsdp_launch.schema import CheckpointConfig, Config
+from mfsdp_launch.config.schema import CheckpointConfig, Config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -308,7 +308,7 @@ def test_preflight_does_not_import_torch(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         from omegaconf import OmegaConf
-        from mfsdp_launch.schema import Config
+        from mfsdp_launch.config.schema import Config
         from mfsdp_launch import checkpoint
         cfg = OmegaConf.structured(Config)
         cfg.run.dir = {str(tmp_path)!r}
@@ -358,7 +358,7 @@ def test_scheduler_resume_keeps_a_device_lr_tensor_in_place():
 
     from mfsdp_launch.checkpoint import CheckpointManager
     from mfsdp_launch.optim import build_scheduler
-    from mfsdp_launch.schema import OptimConfig
+    from mfsdp_launch.config.schema import OptimConfig
 
     def optimizer_with_tensor_lr():
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)

@@ -109,13 +109,14 @@ def _build(world: int, seed: int):
 
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
     from mfsdp_launch.mesh import ParallelDims
-    from mfsdp_launch.schema import EngineConfig, PrecisionConfig, ShardingConfig
+    from mfsdp_launch.config.schema import EngineConfig, PrecisionConfig, ShardingConfig
+    from mfsdp_launch.config.sharding import ZeroStrategy
 
     dims = ParallelDims(1, world, 1, 1)
     mesh = dims.build("cpu")
     torch.manual_seed(seed)
     model = _tiny_mlp()
-    engine = FSDP2Engine(engine_cfg=EngineConfig(), sharding_cfg=ShardingConfig(zero_dp_strategy="optim_grads_params"),
+    engine = FSDP2Engine(engine_cfg=EngineConfig(), sharding_cfg=ShardingConfig(zero_dp_strategy=ZeroStrategy.optim_grads_params),
                          precision_cfg=PrecisionConfig(compute_dtype="fp32"), dims=dims, mesh=mesh,
                          device=torch.device("cpu"))
     spec = SimpleNamespace(unit_modules=(nn.Linear,), init_weights=lambda m: None)
@@ -135,7 +136,7 @@ def _manager(run_dir: Path, world: int, rank: int, engine, **ck):
     import torch.distributed as dist
 
     from mfsdp_launch.checkpoint import CheckpointManager
-    from mfsdp_launch.schema import CheckpointConfig
+    from mfsdp_launch.config.schema import CheckpointConfig
 
     return CheckpointManager(CheckpointConfig(**ck), run_dir, manifest_info=_info(world), rank=rank,
                              world_size=world, engine=engine, process_group=dist.new_group(backend="gloo"))
@@ -450,7 +451,7 @@ if __name__ != "__main__":
 
         from mfsdp_launch.checkpoint import CheckpointError, CheckpointManager, committed_steps
         from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-        from mfsdp_launch.schema import CheckpointConfig
+        from mfsdp_launch.config.schema import CheckpointConfig
 
         model = _tiny_mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -482,7 +483,7 @@ if __name__ != "__main__":
 
         from mfsdp_launch.checkpoint import CheckpointManager
         from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-        from mfsdp_launch.schema import CheckpointConfig
+        from mfsdp_launch.config.schema import CheckpointConfig
 
         model = _tiny_mlp()
         if wrap:  # another engine's naming: every key gets a "module." prefix

@@ -2,17 +2,15 @@
 
 import pytest
 
-from mfsdp_launch.compose import compose, config_dir
+from mfsdp_launch.config import prepare
+from mfsdp_launch.config.compose import compose, config_dir
 from mfsdp_launch.errors import ConfigError
-from mfsdp_launch.validate import validate
 
 RECIPES = ["cpu_smoke", "fsdp_bf16", "hsdp_bf16", "hfsdp_bf16", "hfsdp_fp8"]
 
 
 def checked(*overrides, hardware=False):
-    cfg = compose(list(overrides))
-    warnings = validate(cfg, check_hardware=hardware)
-    return cfg, warnings
+    return prepare(list(overrides), check_hardware=hardware)
 
 
 def refused(*overrides, hardware=False) -> ConfigError:
@@ -35,8 +33,8 @@ def test_every_recipe_validates_for_a_dry_run(recipe):
 def test_hfsdp_fp8_recipe_contents():
     cfg, _ = checked("+recipe=hfsdp_fp8", "launcher.nproc_per_node=8")
     assert (cfg.mesh.dp_outer, cfg.mesh.dp_shard) == (2, 4)
-    assert cfg.sharding.outer_dp_sharding_strategy == "optim"
-    assert cfg.sharding.zero_dp_strategy == "optim_grads_params"
+    assert cfg.sharding.outer_dp_sharding_strategy.name == "optim"
+    assert cfg.sharding.zero_dp_strategy.name == "optim_grads_params"
     assert cfg.fp8.recipe == "current" and cfg.model.name == "te_gpt" and not cfg.fp8.params
     assert cfg.engine.name == "megatron_fsdp"
 
@@ -48,8 +46,8 @@ def test_cpu_smoke_is_fsdp2_on_two_processes():
 
 def test_defaults():
     cfg, _ = checked()
-    assert cfg.sharding.zero_dp_strategy == "optim_grads_params"  # default 3
-    assert cfg.sharding.outer_dp_sharding_strategy == "no_shard"
+    assert cfg.sharding.zero_dp_strategy.name == "optim_grads_params"  # default 3
+    assert cfg.sharding.outer_dp_sharding_strategy.name == "no_shard"
     assert "${" not in cfg.run.dir and cfg.run.dir == "runs/run"
 
 
@@ -63,7 +61,7 @@ def test_run_dir_is_deterministic():
                                         ("optim_grads", "optim_grads")])
 def test_zero_strategy_names_and_numbers(value, name):
     cfg, _ = checked("engine=megatron_fsdp", f"sharding.zero_dp_strategy={value}")
-    assert cfg.sharding.zero_dp_strategy == name
+    assert cfg.sharding.zero_dp_strategy.name == name
 
 
 # (overrides, key the message must name)
@@ -82,8 +80,6 @@ REFUSALS = [
     # outer optim needs zero 3
     (["engine=megatron_fsdp", "mesh.dp_outer=2", "launcher.nproc_per_node=4", "sharding.zero_dp_strategy=2",
       "sharding.outer_dp_sharding_strategy=optim"], "sharding.outer_dp_sharding_strategy"),
-    # HFSDP needs dp_outer > 1
-    (["engine=megatron_fsdp", "sharding.outer_dp_sharding_strategy=optim"], "sharding.outer_dp_sharding_strategy"),
     # meta init refused with no_shard on Megatron-FSDP
     (["engine=megatron_fsdp", "sharding.zero_dp_strategy=no_shard", "model.init_on_meta=true"], "model.init_on_meta"),
     # what FSDP2 cannot express
@@ -93,6 +89,7 @@ REFUSALS = [
     (["engine=fsdp2", "model=toy_cnn", "mesh.tp=2", "launcher.nproc_per_node=2"], "mesh.tp"),
     # precision
     (["precision.compute_dtype=fp8"], "precision.compute_dtype"),
+    (["precision.compute_dtype='null'"], "precision.compute_dtype"),
     (["precision.main_params_dtype=int8"], "precision.main_params_dtype"),
     (["engine=fsdp2", "precision.main_params_dtype=bf16"], "precision.main_params_dtype"),
     # FP8
@@ -116,11 +113,11 @@ REFUSALS = [
     # model
     (["model.preset=999b"], "model.preset"),
     (["model.dim=65"], "model.dim"),
-    (["model.n_kv_heads=3"], "model.n_heads"),  # "n_heads=4 is not divisible by n_kv_heads=3"
+    (["model.n_kv_heads=3"], "model.n_kv_heads"),  # "3 does not divide n_heads=4"
     (["model=gpt", "engine=megatron_fsdp", "mesh.tp=2", "launcher.nproc_per_node=2"], "mesh.tp"),
     (["model=gpt", "engine=megatron_fsdp", "mesh.cp=2", "launcher.nproc_per_node=2"], "mesh.cp"),
     (["model=toy_transformer", "data=text"], "data"),
-    (["model=toy_transformer", "model.n_heads=3", "engine=megatron_fsdp", "mesh.tp=2",
+    (["model=toy_transformer", "model.n_heads=1", "engine=megatron_fsdp", "mesh.tp=2",
       "launcher.nproc_per_node=2"], "mesh.tp"),
     (["model=toy_cnn", "engine=megatron_fsdp", "mesh.cp=2", "train.seq_len=3", "launcher.nproc_per_node=2"],
      "train.seq_len"),
@@ -178,19 +175,19 @@ def test_full_iteration_cuda_graph_accepts_the_seed_setup():
 
 
 def test_megatron_fsdp_needs_a_gpu_when_not_a_dry_run(monkeypatch):
-    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 0)
+    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 0)
     err = refused("engine=megatron_fsdp", hardware=True)
     assert err.key == "engine" and "CUDA" in str(err)
 
 
 def test_too_many_processes_for_the_gpus(monkeypatch):
-    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 2)
+    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 2)
     err = refused("engine=megatron_fsdp", "launcher.nproc_per_node=4", hardware=True)
     assert err.key == "launcher.nproc_per_node"
 
 
 def test_fsdp2_runs_on_cpu_with_gloo(monkeypatch):
-    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 0)
+    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 0)
     checked("+recipe=cpu_smoke", hardware=True)
 
 
@@ -205,7 +202,7 @@ def test_cross_node_warning_in_validation():
 
 
 def test_missing_te_is_a_warning_in_dry_run_and_an_error_otherwise(monkeypatch):
-    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 8)
+    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 8)
     import importlib.util
 
     if importlib.util.find_spec("transformer_engine") is not None:
@@ -223,7 +220,7 @@ def test_broken_engine_install_is_one_line(monkeypatch, tmp_path):
     (pkg / "__init__.py").write_text("raise RuntimeError('libtransformer_engine.so: cannot open shared object')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(__import__("sys").modules, "megatron_fsdp", raising=False)
-    monkeypatch.setattr("mfsdp_launch.validate.local_gpu_count", lambda: 2)
+    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 2)
     err = refused("engine=megatron_fsdp", hardware=True)
     assert err.key == "engine" and "installed but broken (RuntimeError: libtransformer_engine.so" in str(err)
     assert "\n" not in str(err)
@@ -232,11 +229,68 @@ def test_broken_engine_install_is_one_line(monkeypatch, tmp_path):
 def test_model_names_from_a_separate_process_match_the_in_process_build(monkeypatch):
     """The TE path builds the model in a short-lived process (no CUDA context kept by the
     launcher); its names are the ones an in-process meta build gives."""
-    from mfsdp_launch import validate as V
+    from omegaconf import OmegaConf
+
+    from mfsdp_launch.models import meta
 
     cfg = compose(["model.preset=tiny", "model.freeze=[tok_emb.*]"])
-    monkeypatch.setattr(V, "_import_problem", lambda module, probe: "")  # pretend TE is installed
-    names = V._te_model_names(cfg)
+    monkeypatch.setattr(meta, "te_installed", lambda: True)  # the gpt model builds without TE
+    names = meta.meta_names_isolated(OmegaConf.to_container(cfg.model, enum_to_str=True), cfg.train.seq_len)
     assert names is not None
-    assert list(names) == list(V._meta_model_names(cfg.model, cfg.train.seq_len))
+    assert list(names) == list(meta.meta_names(cfg.model, cfg.train.seq_len))
     assert "tok_emb.weight" in names[0] and "layers.0" in names[1]
+
+
+def test_seed_meshes_the_old_rules_refused_are_accepted():
+    # toy_cnn has no attention heads: tp=2 is the seed's mesh, not a head-divisibility question.
+    checked("engine=megatron_fsdp", "model=toy_cnn", "mesh.dp_shard=2", "mesh.cp=2", "mesh.tp=2",
+            "launcher.nproc_per_node=8")
+    _, warnings = checked("engine=megatron_fsdp", "model=toy_transformer", "mesh.dp_outer=1", "mesh.dp_shard=2",
+                          "mesh.cp=2", "mesh.tp=2", "launcher.nproc_per_node=8",
+                          "sharding.outer_dp_sharding_strategy=optim")
+    assert any("outer dimension has one rank" in w for w in warnings)
+
+
+def test_the_string_null_is_not_a_dtype():
+    err = refused("precision.compute_dtype='null'")
+    assert err.key == "precision.compute_dtype" and "null" in str(err)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["data.path=/nonexistent/corpus"], "data.path"),
+    (["data.path={empty}"], "data.path"),
+    (["data.path=/nonexistent/*.txt"], "data.path"),
+    (["data.max_bytes=0"], "data.max_bytes"),
+    (["data.tokenizer=bogus"], "data.tokenizer"),
+], ids=["missing", "empty-dir", "glob-no-match", "max-bytes-0", "bogus-tokenizer"])
+def test_data_problems_are_one_line_before_anything_is_spawned(overrides, key, tmp_path):
+    from conftest import cli
+
+    (tmp_path / "empty").mkdir()
+    overrides = [o.format(empty=tmp_path / "empty") for o in overrides]
+    run_dir = tmp_path / "run"
+    r = cli("+recipe=cpu_smoke", f"run.dir={run_dir}", *overrides)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith(f"mfsdp-train: error: {key}:") and r.stderr.count("\n") == 1, r.stderr
+    assert "ranks, run.dir=" not in r.stdout  # nothing spawned
+    assert not run_dir.exists()  # nothing written
+
+
+def test_the_config_layer_and_the_cli_never_import_torch():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import sys, importlib, pkgutil\n"
+            "import mfsdp_launch.config as c, mfsdp_launch.models as m\n"
+            "for info in pkgutil.iter_modules(c.__path__): importlib.import_module('mfsdp_launch.config.' + info.name)\n"
+            "import mfsdp_launch.cli, mfsdp_launch.launch, mfsdp_launch.engines, mfsdp_launch.mesh, mfsdp_launch.memory\n"
+            "from mfsdp_launch.config import prepare\n"
+            "cfg, _ = prepare(['+recipe=hfsdp_fp8', 'launcher.nproc_per_node=8'], check_hardware=False)\n"
+            "from mfsdp_launch.memory import estimate\n"
+            "from mfsdp_launch.mesh import ParallelDims\n"
+            "estimate(cfg, ParallelDims(2, 4, 1, 1))\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr

@@ -2,28 +2,34 @@
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from mfsdp_launch.engines.megatron import (
     MegatronFSDPEngine,
     _restore_hfsdp_grad_scaling,
     make_capturable,
     match_capturable,
-    plan_megatron_fsdp,
     reset_step_counters,
     unwrap,
 )
+from mfsdp_launch.engines.megatron_plan import plan_megatron_fsdp
 from mfsdp_launch.errors import ConfigError
 from mfsdp_launch.mesh import ParallelDims
-from mfsdp_launch.schema import EngineConfig, MeshConfig, PrecisionConfig, ShardingConfig
+from mfsdp_launch.config.schema import EngineConfig, MeshConfig, PrecisionConfig, ShardingConfig
 
 
 def dims(dp_outer=1, dp_shard=-1, cp=1, tp=1, world=2):
     return ParallelDims.from_config(MeshConfig(dp_outer=dp_outer, dp_shard=dp_shard, cp=cp, tp=tp), world)
 
 
+def typed(section, **values):
+    """A config section typed the way composition types it (enum names or numbers accepted)."""
+    return OmegaConf.merge(OmegaConf.structured(section), values)
+
+
 def plan(d=None, zero=3, outer="no_shard", precision=None, engine=None, **kw):
-    return plan_megatron_fsdp(d or dims(), ShardingConfig(zero_dp_strategy=zero, outer_dp_sharding_strategy=outer),
-                              precision or PrecisionConfig(), engine or EngineConfig(name="megatron_fsdp"), **kw)
+    return plan_megatron_fsdp(d or dims(), typed(ShardingConfig, zero_dp_strategy=zero, outer_dp_sharding_strategy=outer),
+                              precision or typed(PrecisionConfig), engine or EngineConfig(name="megatron_fsdp"), **kw)
 
 
 def test_plain_fsdp_dims_and_groups():
@@ -66,7 +72,6 @@ def test_dp_outer_one_means_plain_fsdp():
     (2, "optim_grads", "fsdp", "dtensor"),
     (3, "optim_grads_params", "fsdp", "dtensor"),
     ("optim_grads", "optim_grads", "fsdp", "dtensor"),
-    ("2", "optim_grads", "fsdp", "dtensor"),
 ])
 def test_zero_strategies(zero, name, norm, fmt):
     p = plan(zero=zero)
@@ -76,8 +81,9 @@ def test_zero_strategies(zero, name, norm, fmt):
 def test_hfsdp_needs_zero3_and_dp_outer():
     with pytest.raises(ConfigError, match="optim_grads_params"):
         plan(dims(dp_outer=2, dp_shard=1), zero=2, outer="optim")
-    with pytest.raises(ConfigError, match="dp_outer=1"):
-        plan(dims(dp_shard=2), zero=3, outer="optim")
+    # The seed's (1, 2, 2, 2) mesh with outer optim: one outer rank, so plain FSDP.
+    p = plan(dims(dp_shard=2), zero=3, outer="optim")
+    assert (p.outer_dp_sharding_strategy, p.dp_outer_dim, p.grad_norm_group) == ("no_shard", None, "fsdp")
 
 
 def test_meta_init_refused_with_no_shard():
@@ -87,34 +93,20 @@ def test_meta_init_refused_with_no_shard():
     assert plan(zero=3, init_on_meta=True).init_model_with_meta_device
 
 
-def test_bad_strategy_names():
-    with pytest.raises(ConfigError):
-        plan(zero="zero3")
-    with pytest.raises(ConfigError):
-        plan(zero=4)
-    with pytest.raises(ConfigError):
-        plan(outer="optim_grads")
-
-
 def test_no_mesh_path():
     p = plan(dims(dp_shard=2), mesh_enabled=False)
     assert not p.use_mesh
     assert (p.dp_shard_dim, p.dp_outer_dim, p.tp_dim, p.hybrid_fsdp_group_dim) == (None, None, None, None)
-    with pytest.raises(ConfigError) as e:
-        plan(dims(dp_outer=2, dp_shard=1), mesh_enabled=False)
-    assert e.value.key == "mesh.enabled"
 
 
 def test_precision_policy_dtypes():
-    p = plan(precision=PrecisionConfig(compute_dtype="bf16", main_params_dtype="fp32", main_grads_dtype="fp32",
-                                       grad_comm_dtype="bf16"))
+    p = plan(precision=typed(PrecisionConfig, compute_dtype="bf16", main_params_dtype="fp32", main_grads_dtype="fp32",
+                             grad_comm_dtype="bf16"))
     assert (p.compute_dtype, p.main_params_dtype, p.main_grads_dtype, p.grad_comm_dtype) == ("bf16", "fp32", "fp32", "bf16")
-    p = plan(precision=PrecisionConfig(compute_dtype=None, main_params_dtype=None, main_grads_dtype=None))
+    p = plan(precision=typed(PrecisionConfig, compute_dtype=None, main_params_dtype=None, main_grads_dtype=None))
     assert (p.compute_dtype, p.main_params_dtype, p.main_grads_dtype) == ("fp32", None, None)
-    p = plan(precision=PrecisionConfig(compute_dtype="fp32", main_params_dtype="fp64", main_grads_dtype="fp32"))
+    p = plan(precision=typed(PrecisionConfig, compute_dtype="fp32", main_params_dtype="fp64", main_grads_dtype="fp32"))
     assert (p.main_params_dtype, p.main_grads_dtype) == ("fp64", "fp32")
-    with pytest.raises(ConfigError):
-        plan(precision=PrecisionConfig(compute_dtype="int8"))
 
 
 def test_engine_switches_pass_through():

@@ -1,4 +1,4 @@
-"""Tests for mfsdp_launch.models: sizes, the GPT, the seed's toy models and the TE models.
+"""Tests for mfsdp_launch.models: the registry's numbers, the GPT, the seed's toy models and the TE models.
 
 CPU-only and fast; the TE tests are marked `gpu` and skip without CUDA or Transformer Engine.
 """
@@ -14,9 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mfsdp_launch.models import build_model_spec, resolve_unit_modules, sizes
-from mfsdp_launch.models.gpt import GPT, Block
-from mfsdp_launch.schema import ModelConfig
+from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.models import build_model_spec, family
+from mfsdp_launch.models import llama_dims as L
+from mfsdp_launch.models.family import resolve_unit_modules
+from mfsdp_launch.models.gpt_modules import GPT, Block
+from mfsdp_launch.config.schema import ModelConfig
 
 # nn.Transformer warns about nested tensors on every construction; the seed's model is as it is.
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor:UserWarning")
@@ -117,6 +120,27 @@ def token_batch(vocab, batch, seq, seed=0):
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
 
+# The registry's numbers for a model config (each family answers for itself).
+def param_count(cfg):
+    return family(cfg.name).param_count(cfg)
+
+
+def flops_per_token(cfg, seq_len):
+    return family(cfg.name).flops_per_token(cfg, seq_len)
+
+
+def largest_unit_params(cfg):
+    return family(cfg.name).largest_unit_params(cfg)
+
+
+def matmul_params(cfg):
+    return L.matmul_params(L.resolve_gpt_dims(cfg))
+
+
+def activation_bytes(cfg, mbs, seq_len, bytes_per_el):
+    return family(cfg.name).activation_bytes(cfg, mbs, seq_len, bytes_per_el)
+
+
 def nominal(preset):
     """'125m' -> 125e6, '1.4b' -> 1.4e9, 'small' -> 20e6."""
     if preset == "small":
@@ -125,65 +149,65 @@ def nominal(preset):
     return float(preset[:-1]) * scale
 
 
-# --- sizes ----------------------------------------------------------------------------------
+# --- the registry's numbers ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", list(sizes.GPT_PRESETS))
+@pytest.mark.parametrize("preset", list(L.GPT_PRESETS))
 def test_every_preset_resolves(preset):
     cfg = gpt_cfg(preset=preset)
-    d = sizes.resolve_gpt_dims(cfg)
+    d = L.resolve_gpt_dims(cfg)
     assert d.dim % d.n_heads == 0 and d.n_heads % d.n_kv_heads == 0
-    n = sizes.param_count(cfg)
-    assert sizes.param_count(ModelConfig(name="te_gpt", preset=preset)) == n
-    assert sizes.flops_per_token(cfg, 2048) > 6 * n * 0.5
-    assert sizes.activation_bytes(cfg, 2, 256, 2) > 0
+    n = param_count(cfg)
+    assert param_count(ModelConfig(name="te_gpt", preset=preset)) == n
+    assert flops_per_token(cfg, 2048) > 6 * n * 0.5
+    assert activation_bytes(cfg, 2, 256, 2) > 0
     if preset != "tiny":
         assert abs(n / nominal(preset) - 1) < 0.10, f"{preset}: {n:,}"
 
 
 def test_named_presets_match_the_brief():
-    d = sizes.resolve_gpt_dims(gpt_cfg(preset="1.4b"))
+    d = L.resolve_gpt_dims(gpt_cfg(preset="1.4b"))
     assert (d.dim, d.n_layers, d.n_heads, d.vocab_size, d.tie_embeddings) == (2048, 24, 16, 32000, False)
-    d = sizes.resolve_gpt_dims(gpt_cfg(preset="2b"))
+    d = L.resolve_gpt_dims(gpt_cfg(preset="2b"))
     assert (d.dim, d.n_layers, d.n_heads) == (4096, 8, 32)
-    d = sizes.resolve_gpt_dims(gpt_cfg(preset="8b"))
+    d = L.resolve_gpt_dims(gpt_cfg(preset="8b"))
     assert (d.dim, d.n_layers, d.n_heads, d.n_kv_heads, d.ffn_dim, d.vocab_size, d.tie_embeddings) == (
         4096, 32, 32, 8, 14336, 128256, False
     )
-    assert sizes.param_count(gpt_cfg(preset="8b")) == 8_030_261_248  # Llama-3.1-8B
+    assert param_count(gpt_cfg(preset="8b")) == 8_030_261_248  # Llama-3.1-8B
 
 
 def test_overrides_and_ffn_rule():
-    d = sizes.resolve_gpt_dims(gpt_cfg(preset="tiny", dim=128, n_heads=8, n_kv_heads=2, vocab_size=512))
+    d = L.resolve_gpt_dims(gpt_cfg(preset="tiny", dim=128, n_heads=8, n_kv_heads=2, vocab_size=512))
     assert (d.dim, d.n_heads, d.n_kv_heads, d.vocab_size, d.head_dim) == (128, 8, 2, 512, 16)
     assert d.ffn_dim == 384  # int(8*128/3)=341 -> multiple of 64
-    assert sizes.llama_ffn_dim(2048) == 5632  # 5461 -> multiple of 256
-    assert sizes.llama_ffn_dim(4096) == 11008
+    assert L.llama_ffn_dim(2048) == 5632  # 5461 -> multiple of 256
+    assert L.llama_ffn_dim(4096) == 11008
     # A preset's explicit ffn_dim follows its own dim only.
-    assert sizes.resolve_gpt_dims(gpt_cfg(preset="8b", n_layers=2)).ffn_dim == 14336
-    assert sizes.resolve_gpt_dims(gpt_cfg(preset="8b", dim=2048, n_heads=16)).ffn_dim == 5632
-    assert sizes.resolve_gpt_dims(gpt_cfg(preset="8b", ffn_dim=1000)).ffn_dim == 1000
+    assert L.resolve_gpt_dims(gpt_cfg(preset="8b", n_layers=2)).ffn_dim == 14336
+    assert L.resolve_gpt_dims(gpt_cfg(preset="8b", dim=2048, n_heads=16)).ffn_dim == 5632
+    assert L.resolve_gpt_dims(gpt_cfg(preset="8b", ffn_dim=1000)).ffn_dim == 1000
 
 
 def test_unknown_preset_and_bad_dims():
-    with pytest.raises(ValueError, match="^model.preset='huge' is unknown; allowed: tiny, small, 125m"):
-        sizes.resolve_gpt_dims(gpt_cfg(preset="huge"))
-    with pytest.raises(ValueError, match="^model.dim=100 is not divisible by model.n_heads"):
-        sizes.resolve_gpt_dims(gpt_cfg(dim=100, n_heads=3))
-    with pytest.raises(ValueError, match="^model.n_heads=4 is not divisible by model.n_kv_heads=3"):
-        sizes.resolve_gpt_dims(gpt_cfg(n_heads=4, n_kv_heads=3))
-    with pytest.raises(ValueError, match="must be even for RoPE"):
-        sizes.resolve_gpt_dims(gpt_cfg(dim=60, n_heads=4))
-    with pytest.raises(ValueError, match="unknown model.name"):
+    with pytest.raises(ConfigError, match="^model.preset: unknown preset 'huge' \\(allowed: tiny|small|125m"):
+        L.resolve_gpt_dims(gpt_cfg(preset="huge"))
+    with pytest.raises(ConfigError, match="^model.dim: 100 is not divisible by n_heads=3"):
+        L.resolve_gpt_dims(gpt_cfg(dim=100, n_heads=3))
+    with pytest.raises(ConfigError, match="^model.n_kv_heads: 3 does not divide n_heads=4"):
+        L.resolve_gpt_dims(gpt_cfg(n_heads=4, n_kv_heads=3))
+    with pytest.raises(ConfigError, match="must be even for RoPE"):
+        L.resolve_gpt_dims(gpt_cfg(dim=60, n_heads=4))
+    with pytest.raises(ConfigError, match="^model: unknown model 'resnet'"):
         build_model_spec(ModelConfig(name="resnet"), 16)
 
 
-def test_sizes_imports_without_torch():
+def test_the_registry_counts_without_torch():
     code = (
-        "import sys, mfsdp_launch.models.sizes as s;"
-        "from mfsdp_launch.schema import ModelConfig;"
-        "s.param_count(ModelConfig(name='gpt', preset='8b'));"
-        "s.flops_per_token(ModelConfig(name='toy_transformer'), 1);"
+        "import sys; from mfsdp_launch.models import family;"
+        "from mfsdp_launch.config.schema import ModelConfig;"
+        "family('gpt').param_count(ModelConfig(name='gpt', preset='8b'));"
+        "family('toy_transformer').flops_per_token(ModelConfig(name='toy_transformer'), 1);"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -194,18 +218,18 @@ def test_accepts_omegaconf_nodes():
     from omegaconf import OmegaConf
 
     node = OmegaConf.structured(ModelConfig(name="gpt", preset="tiny", n_layers=3))
-    assert sizes.param_count(node) == sizes.param_count(gpt_cfg(n_layers=3))
-    assert build_model_spec(node, 8).num_params == sizes.param_count(node)
+    assert param_count(node) == param_count(gpt_cfg(n_layers=3))
+    assert build_model_spec(node, 8).num_params == param_count(node)
 
 
 def test_flops_per_token_formula():
     cfg = gpt_cfg()
-    d = sizes.resolve_gpt_dims(cfg)
+    d = L.resolve_gpt_dims(cfg)
     model = GPT(d)
     # N_matmul = every Linear weight plus the head; not the embedding lookup or the norms.
     n_matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert sizes.matmul_params(cfg) == n_matmul
-    assert sizes.flops_per_token(cfg, 128) == 6 * n_matmul + 12 * d.n_layers * d.dim * 128
+    assert matmul_params(cfg) == n_matmul
+    assert flops_per_token(cfg, 128) == 6 * n_matmul + 12 * d.n_layers * d.dim * 128
 
 
 @pytest.mark.parametrize(
@@ -224,16 +248,14 @@ def test_largest_unit_params(cfg):
     in_units = {id(p) for u in outer for p in u.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
     expected = max([n_params(u) for u in outer] + [root])
-    assert sizes.largest_unit_params(cfg) == expected
-    assert sizes.largest_unit_params(gpt_cfg(fsdp_unit_modules=["torch.nn.Linear"])) == sizes.param_count(gpt_cfg())
+    assert largest_unit_params(cfg) == expected
 
 
 def test_activation_checkpointing_shrinks_activations():
     cfg = gpt_cfg(preset="1.4b")
-    full = sizes.activation_bytes(cfg, 4, 2048, 2)
-    ckpt = sizes.activation_bytes(cfg, 4, 2048, 2, activation_checkpointing=True)
+    full = activation_bytes(cfg, 4, 2048, 2)
+    ckpt = activation_bytes(gpt_cfg(preset="1.4b", activation_checkpointing=True), 4, 2048, 2)
     assert 0 < ckpt < full / 3
-    assert sizes.activation_bytes(gpt_cfg(preset="1.4b", activation_checkpointing=True), 4, 2048, 2) == ckpt
 
 
 # --- parameter counts against the real modules ---------------------------------------------
@@ -256,7 +278,7 @@ def test_gpt_param_count_is_exact(overrides):
     spec = build_model_spec(cfg, 32)
     with torch.device("meta"):
         model = spec.build()
-    assert spec.num_params == n_params(model) == sizes.param_count(cfg)
+    assert spec.num_params == n_params(model) == param_count(cfg)
 
 
 @pytest.mark.parametrize(
@@ -275,7 +297,7 @@ def test_toy_param_count_is_exact(name, overrides):
     spec = build_model_spec(cfg, 1)
     with torch.device("meta"):
         model = spec.build()
-    assert spec.num_params == n_params(model) == sizes.param_count(cfg)
+    assert spec.num_params == n_params(model) == param_count(cfg)
 
 
 # --- toy models match the seed --------------------------------------------------------------
@@ -284,7 +306,7 @@ def test_toy_param_count_is_exact(name, overrides):
 @pytest.mark.parametrize("name", ["toy_cnn", "toy_transformer"])
 def test_toy_models_match_seed_exactly(name):
     spec = build_model_spec(ModelConfig(name=name), 1)
-    assert not spec.uses_tokens and spec.tokens_per_sample == 1 and spec.supports_tp_cp
+    assert not spec.uses_tokens and spec.tokens_per_sample == 1 and family(name).model_parallel
 
     torch.manual_seed(0)
     ref = ref_build(name)
@@ -336,7 +358,7 @@ def test_toy_unit_modules_and_reinit():
 def test_gpt_loss_at_init_is_log_vocab():
     spec = build_model_spec(gpt_cfg(), 64)
     assert spec.uses_tokens and spec.tokens_per_sample == 64 and spec.unit_modules == (Block,)
-    assert not spec.supports_tp_cp and not spec.needs_te
+    assert not family("gpt").model_parallel and not family("gpt").has_te_layers
     torch.manual_seed(0)
     model = spec.build()
     loss = spec.loss(model, token_batch(256, 4, 64))
@@ -362,7 +384,7 @@ def test_gpt_loss_falls_with_adamw():
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_gpt_is_causal(kv_heads):
     torch.manual_seed(0)
-    model = GPT(sizes.resolve_gpt_dims(gpt_cfg(n_kv_heads=kv_heads))).eval()
+    model = GPT(L.resolve_gpt_dims(gpt_cfg(n_kv_heads=kv_heads))).eval()
     ids = torch.randint(0, 256, (2, 24))
     changed = ids.clone()
     changed[:, 10] = (changed[:, 10] + 1) % 256
@@ -391,7 +413,7 @@ def test_gpt_tied_head_shares_storage():
 
 
 def test_gpt_has_no_buffers_and_plain_state_dict():
-    model = GPT(sizes.resolve_gpt_dims(gpt_cfg()))
+    model = GPT(L.resolve_gpt_dims(gpt_cfg()))
     assert list(model.buffers()) == []
     assert set(model.state_dict()) == {name for name, _ in model.named_parameters()}
 
@@ -440,7 +462,7 @@ def test_gpt_params_dtype():
 def test_unit_module_override():
     spec = build_model_spec(gpt_cfg(fsdp_unit_modules=["torch.nn.Linear"]), 16)
     assert spec.unit_modules == (torch.nn.Linear,)
-    assert resolve_unit_modules(["mfsdp_launch.models.gpt.Block", "torch.nn.Transformer"]) == (
+    assert resolve_unit_modules(["mfsdp_launch.models.gpt_modules.Block", "torch.nn.Transformer"]) == (
         Block, torch.nn.Transformer,
     )
     for bad in ["torch.nn.NoSuchLayer", "nosuchpackage.Layer", "torch.nn.functional.relu", "Linear"]:
@@ -460,7 +482,7 @@ def _te_importable():
 
 
 def test_te_models_import_lazily_and_fail_clearly():
-    import mfsdp_launch.models.te_models  # noqa: F401 - import-safe without TE
+    import mfsdp_launch.models.te_modules  # noqa: F401 - import-safe without TE
 
     if _te_importable():
         pytest.skip("Transformer Engine is installed")
@@ -470,17 +492,17 @@ def test_te_models_import_lazily_and_fail_clearly():
     with pytest.raises(RuntimeError, match="model=te_toy_transformer"):
         build_model_spec(ModelConfig(name="te_toy_transformer"), 16)
     # The dry-run numbers need no TE.
-    assert sizes.param_count(ModelConfig(name="te_toy_transformer")) == 2 * (6 * 64 * 64 + 10 * 64) + 64 * 64 + 64
+    assert param_count(ModelConfig(name="te_toy_transformer")) == 2 * (6 * 64 * 64 + 10 * 64) + 64 * 64 + 64
 
 
 def test_init_te_model_rules(monkeypatch):
     """The TE re-init's name rules, on a CPU stand-in with TE's parameter names."""
-    from mfsdp_launch.models import te_models
+    from mfsdp_launch.models import te_modules as te_models
 
     class FakeQuantized(torch.Tensor):
         pass
 
-    monkeypatch.setattr(te_models, "_te", lambda *a: types.SimpleNamespace(QuantizedTensor=FakeQuantized))
+    monkeypatch.setattr(te_models, "te_module", lambda *a: types.SimpleNamespace(QuantizedTensor=FakeQuantized))
 
     def module(**params):
         m = torch.nn.Module()
@@ -538,7 +560,7 @@ def test_te_gpt_trains_on_cuda(tied):
     te = _require_cuda_and_te()
     cfg = ModelConfig(name="te_gpt", preset="tiny", tie_embeddings=tied, params_dtype="bf16")
     spec = build_model_spec(cfg, 64)
-    assert spec.needs_te and te.TransformerLayer in spec.unit_modules
+    assert family("te_gpt").has_te_layers and te.TransformerLayer in spec.unit_modules
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = spec.build()
@@ -583,7 +605,7 @@ def test_te_toy_transformer_trains_on_cuda():
     # The seed's quantized test model: dim 64, 2 heads, 2 layers, fused QKV, bf16 params.
     cfg = ModelConfig(name="te_toy_transformer", fuse_qkv=True, params_dtype="bf16")
     spec = build_model_spec(cfg, 1)
-    assert spec.unit_modules == (te.TransformerLayer, te.Linear) and spec.dtype_input == torch.bfloat16
+    assert spec.unit_modules == (te.TransformerLayer, te.Linear)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = spec.build()

@@ -1,20 +1,21 @@
 import pytest
 import torch
 
+from mfsdp_launch.config.fp8 import min_capability
 from mfsdp_launch.errors import ConfigError
-from mfsdp_launch.precision import apply_fp8_skip, fp8_min_capability, torch_dtype
+from mfsdp_launch.precision import apply_fp8_skip, torch_dtype
 
 
 def test_dtype_names():
-    assert torch_dtype("bf16") is torch.bfloat16 and torch_dtype("bfloat16") is torch.bfloat16
+    assert torch_dtype("bf16") is torch.bfloat16
     assert torch_dtype("fp64") is torch.float64 and torch_dtype(None) is None
     with pytest.raises(ValueError):
         torch_dtype("int8")
 
 
 def test_fp8_capabilities():
-    assert fp8_min_capability("current") == (8, 9)  # Ada/Hopper
-    assert fp8_min_capability("mxfp8") == (10, 0)  # Blackwell
+    assert min_capability("current") == (8, 9)  # Ada/Hopper
+    assert min_capability("mxfp8") == (10, 0)  # Blackwell
 
 
 def test_fp8_skip_wraps_matching_modules_only():

@@ -15,8 +15,7 @@ import pytest
 
 from conftest import cli, cli_env, free_port
 from mfsdp_launch import exit_codes, slurm
-from mfsdp_launch.compose import compose
-from mfsdp_launch.validate import validate
+from mfsdp_launch.config import prepare
 
 
 def slurm_args(run_dir, *extra):
@@ -70,8 +69,7 @@ def test_cli_writes_a_ready_sbatch_script(tmp_path):
 
 
 def test_script_syntax_is_valid_bash(tmp_path):
-    cfg = compose(list(slurm_args(tmp_path / "r")))
-    validate(cfg, check_hardware=False)
+    cfg, _ = prepare(list(slurm_args(tmp_path / "r")), check_hardware=False)
     (tmp_path / "r").mkdir()
     path = tmp_path / "r" / "sbatch.sh"
     path.write_text(slurm.sbatch_script(cfg, tmp_path / "r" / "config.yaml"))
@@ -81,8 +79,9 @@ def test_script_syntax_is_valid_bash(tmp_path):
 
 
 def test_optional_directives_and_cpu_jobs(tmp_path):
-    cfg = compose(["+recipe=cpu_smoke", "launcher=slurm", "launcher.nnodes=2", "engine.backend=gloo",
-                   f"run.dir={tmp_path}", "launcher.rdzv_endpoint=head01:29400", "launcher.rdzv_id=myrun"])
+    cfg, _ = prepare(["+recipe=cpu_smoke", "launcher=slurm", "launcher.nnodes=2", "engine.backend=gloo",
+                      f"run.dir={tmp_path}", "launcher.rdzv_endpoint=head01:29400", "launcher.rdzv_id=myrun"],
+                     check_hardware=False)
     text = slurm.sbatch_script(cfg, tmp_path / "config.yaml")
     assert "--gpus-per-node" not in text  # gloo: a CPU job asks for no GPUs
     assert "--partition" not in text and "--account" not in text
@@ -140,15 +139,13 @@ def test_dry_run_does_not_write_a_script(tmp_path):
 @pytest.mark.parametrize("nodelist,first", [("gpu[003-004,007],cpu01", "gpu003"), ("node7", "node7")])
 def test_worker_reads_the_slurm_nodelist(nodelist, first):
     """Under a bare srun (no torchrun) the worker takes its rank/world from SLURM's environment."""
-    from mfsdp_launch.worker import _first_slurm_host
-
-    assert _first_slurm_host(nodelist) == first
+    assert slurm.first_host(nodelist) == first
 
 
 def test_worker_env_under_a_bare_srun():
     from unittest import mock
 
-    from mfsdp_launch.worker import _dist_env
+    from mfsdp_launch.runtime import dist_env as _dist_env
 
     slurm_env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                  "SLURM_JOB_NODELIST": "gpu[003-004]", "SLURM_JOB_ID": "123"}

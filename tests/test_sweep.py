@@ -167,11 +167,15 @@ def test_a_stopped_job_stops_the_sweep(tmp_path, fake, capsys):
 
 
 def test_slash_in_a_value_is_one_job_dir(tmp_path, capsys):
-    rc = sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3", "data.path=/x/y", "launcher.dry_run=true"))
+    corpus = tmp_path / "x" / "y.txt"  # data paths are checked before a job runs: it must exist
+    corpus.parent.mkdir()
+    corpus.write_text("text " * 1000)
+    rc = sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3", f"data.path={corpus}", "launcher.dry_run=true"))
     assert rc == 0
     sw = tmp_path / "sw"
+    quoted = str(corpus).replace("/", "%2F")
     assert sorted(p.name for p in sw.iterdir() if p.is_dir()) == [
-        "data.path=%2Fx%2Fy,optim.lr=0.001,train.steps=3", "data.path=%2Fx%2Fy,optim.lr=0.003,train.steps=3"]
+        f"data.path={quoted},optim.lr=0.001,train.steps=3", f"data.path={quoted},optim.lr=0.003,train.steps=3"]
     assert {r["status"] for r in rows_of(sw / rundir.SWEEP_SUMMARY)} == {"dry_run"}
 
 

@@ -86,7 +86,7 @@ def test_frozen_parameters_do_not_move(tmp_path):
     import torch
 
     from conftest import ROOT
-    from mfsdp_launch.compose import load_frozen
+    from mfsdp_launch.config.compose import load_frozen
     from mfsdp_launch.models import build_model_spec
 
     run_dir = tmp_path / "frozen"

@@ -3,19 +3,24 @@
 import pytest
 import torch
 
-from mfsdp_launch.compose import compose
+from mfsdp_launch.config import prepare
+from mfsdp_launch.config.compose import compose
 from mfsdp_launch.data import TokenBatches
 from mfsdp_launch.loop import TrainState
 from mfsdp_launch.mesh import ParallelDims
 from mfsdp_launch.models import build_model_spec
-from mfsdp_launch.validate import validate
-from mfsdp_launch.worker import _batch_source
+from mfsdp_launch.runtime import Runtime, batch_source
+
+
+def _batch_source(cfg, spec, dims, rank, device, resumed=None):
+    rt = Runtime(rank=rank, local_rank=0, world_size=dims.world_size, device=device, control=None, dims=dims,
+                 mesh=None)
+    return batch_source(cfg, spec, rt, resumed)
 
 
 def _cfg(tmp_path, *overrides):
-    cfg = compose(["model.preset=tiny", "data=synthetic", "train.seq_len=16", "train.micro_batch_size=2",
-                   f"data.cache_dir={tmp_path}", *overrides])
-    validate(cfg)
+    cfg, _ = prepare(["model.preset=tiny", "data=synthetic", "train.seq_len=16", "train.micro_batch_size=2",
+                      f"data.cache_dir={tmp_path}", *overrides])
     return cfg
 
 
@@ -62,7 +67,7 @@ def test_logged_lr_is_a_number_when_the_optimizer_keeps_it_on_device(tmp_path):
     from mfsdp_launch.loop import _log_row
     from mfsdp_launch.metrics import MetricsWriter
     from mfsdp_launch.optim import build_scheduler
-    from mfsdp_launch.schema import OptimConfig
+    from mfsdp_launch.config.schema import OptimConfig
 
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([param], lr=3e-4)

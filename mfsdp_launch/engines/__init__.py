@@ -1,20 +1,64 @@
-"""Sharding engines behind one interface. Each engine module imports its backend lazily."""
+"""The sharding engines: what each can do (a torch-free table that validation reads) and how to
+get one (imported lazily: each engine module imports its backend)."""
 
 from __future__ import annotations
 
-from .base import Engine
+import importlib
+from dataclasses import dataclass
+from typing import Dict, FrozenSet
+
+from ..config.dtypes import WIDE_DTYPES, Dtype
+from ..config.sharding import OuterStrategy, ZeroStrategy
+from ..errors import ConfigError
 
 
-def get_engine(name: str, **kwargs) -> Engine:
-    if name == "fsdp2":
-        from .fsdp2 import FSDP2Engine
+@dataclass(frozen=True)
+class EngineCaps:
+    name: str
+    target: str  # "module:Class", imported by get_engine
+    needs_cuda: bool
+    zero: FrozenSet[ZeroStrategy]
+    outer: FrozenSet[OuterStrategy]
+    model_parallel: bool  # takes a mesh with tp/cp > 1
+    fp8_params: bool  # TE quantized (FP8) primary weights
+    te_fused_optim: bool
+    cuda_graph: bool  # full-iteration CUDA graphs
+    default_mesh: bool  # mesh.enabled=false: the engine builds its own
+    main_params_dtypes: FrozenSet = frozenset({None, *Dtype})
+    why_not: str = ""  # appended to refusals: what to use instead
 
-        return FSDP2Engine(**kwargs)
-    if name == "megatron_fsdp":
-        from .megatron import MegatronFSDPEngine
 
-        return MegatronFSDPEngine(**kwargs)
-    raise ValueError(f"unknown engine {name!r}")
+ENGINES: Dict[str, EngineCaps] = {
+    caps.name: caps
+    for caps in (
+        EngineCaps(
+            name="megatron_fsdp", target="mfsdp_launch.engines.megatron:MegatronFSDPEngine", needs_cuda=True,
+            zero=frozenset(ZeroStrategy), outer=frozenset(OuterStrategy), model_parallel=True,
+            fp8_params=True, te_fused_optim=True, cuda_graph=True, default_mesh=True,
+        ),
+        EngineCaps(
+            # FSDP2 shards only over the data-parallel dims; ZeRO-1 and HFSDP have no FSDP2 form, and
+            # its sharded parameters are the main weights, so they must be wide.
+            name="fsdp2", target="mfsdp_launch.engines.fsdp2:FSDP2Engine", needs_cuda=False,
+            zero=frozenset({ZeroStrategy.no_shard, ZeroStrategy.optim_grads, ZeroStrategy.optim_grads_params}),
+            outer=frozenset({OuterStrategy.no_shard}), model_parallel=False, fp8_params=False,
+            te_fused_optim=False, cuda_graph=False, default_mesh=False,
+            main_params_dtypes=frozenset({None, *WIDE_DTYPES}), why_not="use engine=megatron_fsdp",
+        ),
+    )
+}
 
 
-__all__ = ["Engine", "get_engine"]
+def engine_caps(name: str) -> EngineCaps:
+    if name not in ENGINES:
+        raise ConfigError("engine", f"unknown engine {name!r}", list(ENGINES))
+    return ENGINES[name]
+
+
+def get_engine(name: str, **kwargs):
+    """An Engine instance (see engines/base.py) of the named engine."""
+    module, cls = engine_caps(name).target.split(":")
+    return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+__all__ = ["ENGINES", "EngineCaps", "engine_caps", "get_engine"]

@@ -3,12 +3,13 @@ produce/load the state dicts that the checkpoint module saves with DCP."""
 
 from __future__ import annotations
 
-import fnmatch
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..globs import check_globs_match, matching
 
 
 class Engine(ABC):
@@ -105,13 +106,9 @@ def apply_freeze(model: torch.nn.Module, patterns: List[str]) -> List[str]:
     """requires_grad=False for parameters matching any glob; returns the frozen names."""
     if not patterns:
         return []
-    from ..validate import check_globs_match
-
-    named = list(model.named_parameters())
-    check_globs_match("model.freeze", patterns, [n for n, _ in named], "parameter")
-    frozen = []
-    for name, p in named:
-        if any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
-            p.requires_grad_(False)
-            frozen.append(name)
+    params = dict(model.named_parameters())
+    check_globs_match("model.freeze", patterns, list(params), "parameter")
+    frozen = matching(params, patterns)
+    for name in frozen:
+        params[name].requires_grad_(False)
     return frozen

@@ -11,6 +11,7 @@ from typing import Any, Dict
 
 import torch
 
+from ..config.sharding import ZeroStrategy
 from ..mesh import replicate_mesh
 from ..precision import torch_dtype
 from .base import Engine
@@ -20,8 +21,8 @@ class FSDP2Engine(Engine):
     name = "fsdp2"
 
     def _shard_mesh(self):
-        zero = self.sharding_cfg.zero_dp_strategy
-        if zero == "no_shard":
+        zero = ZeroStrategy(self.sharding_cfg.zero_dp_strategy)
+        if zero is ZeroStrategy.no_shard:
             return replicate_mesh(self.mesh)
         if self.dims.dp_outer > 1:
             return self.mesh["dp_outer", "dp_shard"]
@@ -31,7 +32,7 @@ class FSDP2Engine(Engine):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         pc = self.precision_cfg
-        zero = self.sharding_cfg.zero_dp_strategy
+        zero = ZeroStrategy(self.sharding_cfg.zero_dp_strategy)
         mp = MixedPrecisionPolicy(
             param_dtype=torch_dtype(pc.compute_dtype),
             reduce_dtype=torch_dtype(pc.grad_comm_dtype or pc.main_grads_dtype),
@@ -41,7 +42,7 @@ class FSDP2Engine(Engine):
         if not init_on_meta:
             model.to(dtype=main_dtype)
         mesh = self._shard_mesh()
-        reshard = zero == "optim_grads_params"
+        reshard = zero is ZeroStrategy.optim_grads_params
         units = [m for m in model.modules() if isinstance(m, spec.unit_modules) and m is not model]
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -60,7 +61,7 @@ class FSDP2Engine(Engine):
         model.set_requires_gradient_sync(sync)
 
     def grad_norm_group(self):
-        if self.sharding_cfg.zero_dp_strategy == "no_shard" or self.dims.dp_shard == 1:
+        if ZeroStrategy(self.sharding_cfg.zero_dp_strategy) is ZeroStrategy.no_shard or self.dims.dp_shard == 1:
             return None
         return self.mesh["dp_shard"].get_group()
 

@@ -46,13 +46,17 @@ def te_available() -> Tuple[bool, str]:
     return True, ""
 
 
-def outer_skip_reason(zero: str, outer, mesh=None) -> str:
-    """Why the seed (or validation) skips an outer strategy with this ZeRO stage and mesh; '' if it runs."""
-    if outer == "optim" and zero != "optim_grads_params":
-        return (f"dp_outer sharding strategy {outer} requires zero_dp_strategy to be full-sharded "
-                "('optim_grads_params', 3).")
-    if outer == "optim" and mesh is not None and mesh[0] == 1:
-        return "outer optim (HFSDP) needs mesh.dp_outer > 1 (validate refuses it)"
+def outer_skip_reason(zero: str, outer, mesh=None, meta: bool = False) -> str:
+    """The launcher's own answer (config/sharding.check_sharding, the rule validation applies) for
+    this ZeRO stage, outer strategy and mesh: why it is refused, or '' if it runs."""
+    from mfsdp_launch.config.sharding import OuterStrategy, ZeroStrategy, check_sharding
+    from mfsdp_launch.errors import ConfigError
+
+    try:
+        check_sharding(ZeroStrategy[zero], OuterStrategy[outer or "no_shard"],
+                       dp_outer=mesh[0] if mesh is not None else 2, meta_init=meta)
+    except ConfigError as exc:
+        return str(exc)
     return ""
 
 

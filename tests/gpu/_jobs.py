@@ -1,8 +1,8 @@
 """Case functions run inside GPU test jobs (see _harness.py). Each returns JSON-able data that
 the pytest side asserts on; collectives are kept in the same order on every rank.
 
-They drive the launcher's own pieces: ParallelDims meshes, the model factory, apply_freeze,
-build_optimizer, the engine (shard / wrap_optimizer / set_grad_sync / clip_grad_norm /
+They drive the launcher's own wiring (mfsdp_launch/runtime.py: build_model, build_engine, the
+optimizer) on typed configs, then the engine's verbs (shard / wrap_optimizer / set_grad_sync / clip_grad_norm /
 state_dict / load_state_dict), precision's FP8 recipes and cuda_graph.FullIterationCudaGraph.
 The scenarios and their assertions are the seed test's (Megatron-FSDP test_fully_shard.py).
 """
@@ -15,22 +15,14 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from _harness import outer_skip_reason
+from omegaconf import OmegaConf
+
 from mfsdp_launch import precision as P
-from mfsdp_launch.engines import get_engine
-from mfsdp_launch.engines.base import apply_freeze, local_tensor, strip_prefixes
+from mfsdp_launch.config.schema import Config
+from mfsdp_launch.engines.base import local_tensor, strip_prefixes
 from mfsdp_launch.mesh import ParallelDims
-from mfsdp_launch.models import build_model_spec
 from mfsdp_launch.optim import build_optimizer
-from mfsdp_launch.schema import (
-    EngineConfig,
-    FP8Config,
-    MeshConfig,
-    ModelConfig,
-    OptimConfig,
-    PrecisionConfig,
-    ShardingConfig,
-)
+from mfsdp_launch.runtime import Runtime, build_engine, build_model
 
 NUM_STEPS = 2  # the seed's NUM_STEPS
 
@@ -44,8 +36,7 @@ class Context:
         self.rank, self.world, self.device = rank, world, device
         self.tmpdir = Path(tmpdir)
         if mesh_shape is not None:
-            mc = MeshConfig(dp_outer=mesh_shape[0], dp_shard=mesh_shape[1], cp=mesh_shape[2], tp=mesh_shape[3])
-            self.dims = ParallelDims.from_config(mc, world)
+            self.dims = ParallelDims(*mesh_shape)
             self.mesh = self.dims.build(device.type)
         else:
             self.dims = ParallelDims(1, world, 1, 1)
@@ -74,31 +65,45 @@ TOY = {
 }
 
 
+def typed(**sections):
+    """A typed config (enum names or numbers accepted), as composition would give it."""
+    return OmegaConf.merge(OmegaConf.structured(Config), sections)
+
+
+def model_cfg(model: str):
+    return typed(model=TOY[model]).model
+
+
 def spec_of(model: str, seq_len: int = 32):
-    return build_model_spec(ModelConfig(**TOY[model]), seq_len)
+    from mfsdp_launch.models import build_model_spec
+
+    return build_model_spec(model_cfg(model), seq_len)
 
 
-def build(ctx: Context, spec, *, meta: bool, seed: int = 0, fp8_recipe=None, freeze=()):
+def build(ctx: Context, model: str, *, meta: bool, seed: int = 0, fp8_recipe=None, freeze=()):
+    """(model, frozen names) through the worker's runtime.build_model."""
     torch.manual_seed(seed)
-    with torch.device("meta" if meta else ctx.device), P.quantized_init(fp8_recipe):
-        model = spec.build()
-    frozen = apply_freeze(model, list(freeze))
-    return model, frozen
+    cfg = typed(model=dict(TOY[model], init_on_meta=meta, freeze=list(freeze)),
+                fp8=dict(params=fp8_recipe is not None))
+    _, m, frozen, _ = build_model(cfg.model, cfg.fp8, 32, ctx.device, fp8_recipe)
+    return m, frozen
 
 
 def engine_for(ctx: Context, *, zero, outer="no_shard", compute="fp32", main_params="fp32", main_grads=None,
                grad_comm=None, use_mesh: bool = True, cuda_graph: bool = False, **engine_kw):
-    ecfg = EngineConfig(name="megatron_fsdp", **engine_kw)
-    return get_engine("megatron_fsdp", engine_cfg=ecfg,
-                      sharding_cfg=ShardingConfig(zero_dp_strategy=zero, outer_dp_sharding_strategy=outer),
-                      precision_cfg=PrecisionConfig(compute_dtype=compute, main_params_dtype=main_params,
-                                                    main_grads_dtype=main_grads, grad_comm_dtype=grad_comm),
-                      dims=ctx.dims, mesh=ctx.mesh if use_mesh else None, device=ctx.device,
-                      cuda_graph=cuda_graph)
+    """The engine the worker builds (runtime.build_engine) for these settings."""
+    cfg = typed(engine=dict(name="megatron_fsdp", **engine_kw),
+                sharding=dict(zero_dp_strategy=zero, outer_dp_sharding_strategy=outer),
+                precision=dict(compute_dtype=compute, main_params_dtype=main_params, main_grads_dtype=main_grads,
+                               grad_comm_dtype=grad_comm),
+                train=dict(cuda_graph="full_iteration" if cuda_graph else "none"))
+    rt = Runtime(rank=ctx.rank, local_rank=ctx.rank, world_size=ctx.world, device=ctx.device, control=ctx.gloo,
+                 dims=ctx.dims, mesh=ctx.mesh if use_mesh else None)
+    return build_engine(cfg, rt)
 
 
 def optimizer_for(engine, model, *, lr=0.01, weight_decay=0.0, impl="torch"):
-    cfg = OptimConfig(impl=impl, lr=lr, weight_decay=weight_decay)
+    cfg = typed(optim=dict(impl=impl, lr=lr, weight_decay=weight_decay)).optim
     return engine.wrap_optimizer(model, build_optimizer(model, cfg, fused_ok=True))
 
 
@@ -278,13 +283,8 @@ def selftest(ctx: Context, fail: bool = False, skip: bool = False):
 def fully_shard(ctx: Context, model: str, zero: str, outer: str, preserve_fp32: bool, meta: bool,
                 compile: bool):
     """Seed test_fully_shard: sync only on the last microbatch; no grads before it, grads after."""
-    if meta and zero == "no_shard":
-        raise Skip("Meta device initialization (init_model_with_meta_device=True) is not supported or "
-                   "necessary for the 'no_shard' / 0 sharding strategy.")
-    if why := outer_skip_reason(zero, outer):
-        raise Skip(why)
     spec = spec_of(model)
-    m, _ = build(ctx, spec, meta=meta)
+    m, _ = build(ctx, model, meta=meta)
     eng = engine_for(ctx, zero=zero, outer=outer, main_params="fp32" if preserve_fp32 else None,
                      report_nan_in_param_grad=True)
     m = eng.shard(m, spec, init_on_meta=meta)
@@ -315,13 +315,11 @@ def dcp_roundtrip(ctx: Context, model: str, zero: str, outer: str):
     engine: train a step, save, load into a model built from another seed, compare."""
     import torch.distributed.checkpoint as dcp
 
-    if why := outer_skip_reason(zero, outer):
-        raise Skip(why)
     spec = spec_of(model)
     batch = toy_batch(spec, ctx)
 
     def make(seed):
-        m, _ = build(ctx, spec, meta=False, seed=seed)
+        m, _ = build(ctx, model, meta=False, seed=seed)
         e = engine_for(ctx, zero=zero, outer=outer, main_params="fp32", main_grads="fp32")
         m = e.shard(m, spec, init_on_meta=False)
         return e, m, optimizer_for(e, m)
@@ -359,11 +357,11 @@ def adamw_equivalence(ctx: Context, zero: str, outer: str = "no_shard", clip: Op
     step workaround), and the engine's clipped global norm equals clip_grad_norm_'s."""
     spec = spec_of("gpt_tiny")
     batch = token_batch(ctx)
-    ref, _ = build(ctx, spec, meta=False, seed=0)
-    m, _ = build(ctx, spec, meta=False, seed=0)
+    ref, _ = build(ctx, "gpt_tiny", meta=False, seed=0)
+    m, _ = build(ctx, "gpt_tiny", meta=False, seed=0)
     eng = engine_for(ctx, zero=zero, outer=outer, main_params="fp32", main_grads="fp32")
     m = eng.shard(m, spec, init_on_meta=False)
-    ocfg = OptimConfig(lr=1e-3, weight_decay=0.1)
+    ocfg = typed(optim=dict(lr=1e-3, weight_decay=0.1)).optim
     opt = eng.wrap_optimizer(m, build_optimizer(m, ocfg, fused_ok=True))
     ropt = build_optimizer(ref, ocfg, fused_ok=True)
     diffs, norms, rnorms, losses, rlosses = [], [], [], [], []
@@ -394,7 +392,7 @@ def adamw_equivalence(ctx: Context, zero: str, outer: str = "no_shard", clip: Op
 def frozen(ctx: Context, meta: bool, zero: str = "optim_grads"):
     """Seed test_model_with_frozen_param, with model.freeze globs (Megatron-FSDP's own mesh)."""
     spec = spec_of("toy_transformer")
-    m, frozen_names = build(ctx, spec, meta=meta, freeze=["transformer.encoder.*"])
+    m, frozen_names = build(ctx, "toy_transformer", meta=meta, freeze=["transformer.encoder.*"])
     n_params = len(list(m.parameters()))
     eng = engine_for(ctx, zero=zero, use_mesh=False)
     m = eng.shard(m, spec, init_on_meta=meta)
@@ -418,7 +416,7 @@ def frozen(ctx: Context, meta: bool, zero: str = "optim_grads"):
 def ez(ctx: Context, zero: str):
     """Seed test_fully_shard_ez: no DeviceMesh (mesh.enabled=false)."""
     spec = spec_of("toy_transformer")
-    m, _ = build(ctx, spec, meta=False)
+    m, _ = build(ctx, "toy_transformer", meta=False)
     eng = engine_for(ctx, zero=zero, use_mesh=False)
     m = eng.shard(m, spec, init_on_meta=False)
     opt = optimizer_for(eng, m)
@@ -433,14 +431,12 @@ def custom_dtype(ctx: Context, model: str, zero: str, outer: str, main_params: O
     changes per step through mixed_precision_context."""
     from megatron_fsdp import MixedPrecisionPolicy
 
-    if why := outer_skip_reason(zero, outer):
-        raise Skip(why)
     te_model = model == "te_toy_fp8"
     if te_model and main_params is None:
         raise Skip("TransformerEngine FP8 all-gather requires a main parameter buffer for FSDP.")
-    recipe = P.build_fp8_recipe(FP8Config(recipe="delayed")) if te_model else None
+    recipe = P.build_fp8_recipe(typed(fp8=dict(recipe="delayed")).fp8) if te_model else None
     spec = spec_of(model)
-    m, _ = build(ctx, spec, meta=True, fp8_recipe=recipe)
+    m, _ = build(ctx, model, meta=True, fp8_recipe=recipe)
     eng = engine_for(ctx, zero=zero, outer=outer, compute="bf16" if te_model else "fp32",
                      main_params=main_params, main_grads=main_grads, report_nan_in_param_grad=True,
                      keep_fp8_transpose_cache=te_model)
@@ -464,7 +460,7 @@ def custom_dtype(ctx: Context, model: str, zero: str, outer: str, main_params: O
 def _resume_model(ctx: Context, zero: str, seed: int):
     """The sharded tiny GPT and its optimizer that the resume cases save and load."""
     spec = spec_of("gpt_tiny")
-    m, _ = build(ctx, spec, meta=False, seed=seed)
+    m, _ = build(ctx, "gpt_tiny", meta=False, seed=seed)
     eng = engine_for(ctx, zero=zero, main_params="fp32", main_grads="fp32")
     m = eng.shard(m, spec, init_on_meta=False)
     opt = optimizer_for(eng, m, lr=1e-3, weight_decay=0.1)
@@ -519,9 +515,9 @@ def resume_load(ctx: Context, zero: str, saved_zero: Optional[str] = None, steps
 
 def te_quantized(ctx: Context, recipe: str, meta: bool):
     """Seed test_fully_shard_te_quantized: FP8 parameters and activations through TE, HFSDP."""
-    rec = P.build_fp8_recipe(FP8Config(recipe=recipe))
+    rec = P.build_fp8_recipe(typed(fp8=dict(recipe=recipe)).fp8)
     spec = spec_of("te_toy_fp8")
-    m, _ = build(ctx, spec, meta=meta, fp8_recipe=rec)
+    m, _ = build(ctx, "te_toy_fp8", meta=meta, fp8_recipe=rec)
     outer = "optim" if ctx.dims.dp_outer > 1 else "no_shard"
     eng = engine_for(ctx, zero="optim_grads_params", outer=outer, compute="bf16", main_params="fp32",
                      keep_fp8_transpose_cache=recipe != "mxfp8", report_nan_in_param_grad=True)
@@ -545,11 +541,11 @@ def cuda_graph(ctx: Context, outer: str, replays: int = 8, model: str = "toy_tra
     from mfsdp_launch.optim import build_scheduler
 
     spec = spec_of(model)
-    m, _ = build(ctx, spec, meta=False, seed=0)
+    m, _ = build(ctx, model, meta=False, seed=0)
     eng = engine_for(ctx, zero="optim_grads_params", outer=outer, compute=compute, main_params="fp32",
                      main_grads="fp32", cuda_graph=True)
     m = eng.shard(m, spec, init_on_meta=False)
-    ocfg = OptimConfig(impl="te_fused", lr=0.01, weight_decay=0.0, warmup_steps=2)
+    ocfg = typed(optim=dict(impl="te_fused", lr=0.01, weight_decay=0.0, warmup_steps=2)).optim
     opt = eng.wrap_optimizer(m, build_optimizer(m, ocfg))
     sched = build_scheduler(opt, ocfg, replays) if loop_extras else None
     batch = token_batch(ctx) if model == "gpt_tiny" else toy_batch(spec, ctx)
@@ -591,7 +587,7 @@ def _fp32_loss_step(e, m, o, spec, batch, rec) -> float:
 
 def _fp8_history(m) -> Dict[str, List[float]]:
     """Sums of each TE module's delayed-scaling scales and amax histories (fwd and bwd)."""
-    from mfsdp_launch.engines.megatron import _delayed_state, _te_modules
+    from mfsdp_launch.engines.te_state import _delayed_state, _te_modules
 
     out = {}
     for name, mod in _te_modules(m.module):
@@ -606,13 +602,13 @@ def fp8_checkpoint(ctx: Context, steps_before: int = 3):
     the first steps after a resume match the uninterrupted run (fp32 loss)."""
     import torch.distributed.checkpoint as dcp
 
-    rec = P.build_fp8_recipe(FP8Config(recipe="delayed"))
+    rec = P.build_fp8_recipe(typed(fp8=dict(recipe="delayed")).fp8)
     spec = spec_of("te_toy_fp8")
     batch = toy_batch(spec, ctx, mbs=16)
     outer = "optim" if ctx.dims.dp_outer > 1 else "no_shard"
 
     def make(seed):
-        m, _ = build(ctx, spec, meta=False, seed=seed, fp8_recipe=rec)
+        m, _ = build(ctx, "te_toy_fp8", meta=False, seed=seed, fp8_recipe=rec)
         e = engine_for(ctx, zero="optim_grads_params", outer=outer, compute="bf16", main_params="fp32",
                        main_grads="fp32", keep_fp8_transpose_cache=True)
         m = e.shard(m, spec, init_on_meta=False)

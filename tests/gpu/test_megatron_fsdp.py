@@ -52,17 +52,13 @@ def job(tag: str, mesh, world=None) -> Job:
 
 def fs_skip_reason(mesh, zero, outer, common) -> str:
     """Why a test_fully_shard combination does not run ('' if it does)."""
-    c = COMMON[common]
-    if c["meta"] and zero == "no_shard":
-        return ("Meta device initialization (init_model_with_meta_device=True) is not supported or "
-                "necessary for the 'no_shard' / 0 sharding strategy.")
-    if why := outer_skip_reason(zero, outer, mesh):
+    if why := outer_skip_reason(zero, outer, mesh, meta=COMMON[common]["meta"]):
         return why
     if outer is None and mesh[0] > 1:
         return ("not expressible: with mesh.dp_outer > 1 the launcher always passes dp_outer "
                 "(the seed's outer=None then leaves that dim unused)")
-    if outer == "no_shard" and mesh[0] == 1:
-        return "same run as outer=None at dp_outer=1 (no dp_outer dim is passed)"
+    if outer in ("no_shard", "optim") and mesh[0] == 1:
+        return "same run as outer=None at dp_outer=1 (one outer rank: no dp_outer dim is passed)"
     return ""
 
 
@@ -76,8 +72,16 @@ def _fs_case(tag, mesh, model, zero, outer, common):
     return cid
 
 
+def dcp_skip_reason(zero, outer, mesh) -> str:
+    if why := outer_skip_reason(zero, outer, mesh):
+        return why
+    if outer == "optim" and mesh[0] == 1:
+        return "same run as outer=no_shard at dp_outer=1 (one outer rank: plain FSDP)"
+    return ""
+
+
 def _dcp_case(tag, mesh, model, zero, outer):
-    if outer == "optim" and (zero != "optim_grads_params" or mesh[0] == 1):
+    if dcp_skip_reason(zero, outer, mesh):
         return None
     j = job(tag, mesh)
     cid = f"dcp-{model}-{zero}-{outer}"
@@ -173,7 +177,7 @@ def _check_dcp(data, model, zero):
 @pytest.mark.parametrize("model", TOYS)
 @pytest.mark.parametrize("zero", ZEROS)
 def test_dcp_checkpoint_save_and_load(zero, model, outer, mesh):
-    if why := outer_skip_reason(zero, outer, mesh):
+    if why := dcp_skip_reason(zero, outer, mesh):
         pytest.skip(why)
     require_gpus(world_of(mesh))
     cid = _dcp_case("ckpt", mesh, model, zero, outer)

@@ -22,6 +22,7 @@ from test_megatron_fsdp import (
     _check_dcp,
     _check_fully_shard,
     _dcp_case,
+    dcp_skip_reason,
     _fs_case,
     fs_skip_reason,
     job,
@@ -152,7 +153,7 @@ def test_te_fully_shard_custom_dtype_fp8_params(zero, outer, main_params, main_g
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 @pytest.mark.parametrize("zero", ZEROS)
 def test_te_dcp_checkpoint_save_and_load(zero, outer, mesh):
-    if why := outer_skip_reason(zero, outer, mesh):
+    if why := dcp_skip_reason(zero, outer, mesh):
         pytest.skip(why)
     require_gpus(world_of(mesh))
     require_te()

@@ -1,26 +1,50 @@
-"""Typed config schema. Hydra merges YAML onto these dataclasses, so an unknown key or a
-wrongly typed value is an error at composition time.
+"""Typed config schema. Hydra merges YAML onto these dataclasses, so an unknown key or a wrongly
+typed value is an error at composition time, and an Enum field names its allowed values.
 
-This module must stay importable without torch: the launcher and the dry run use it.
+Torch-free: the launcher, the dry run and validation use it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from .choice import Choice
 
-ZERO_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-OUTER_STRATEGIES = ("no_shard", "optim")
-DTYPES = ("fp32", "bf16", "fp16", "fp64")
-FP8_RECIPES = ("none", "delayed", "current", "blockwise", "mxfp8")
-FP8_FORMATS = ("HYBRID", "E4M3")
-ENGINES = ("megatron_fsdp", "fsdp2")
-MODELS = ("gpt", "toy_cnn", "toy_transformer", "te_toy_transformer", "te_gpt")
-DATASETS = ("synthetic", "text")
-RESUME_MODES = ("auto", "must", "never")
-CUDA_GRAPH_MODES = ("none", "full_iteration")
-OPTIM_IMPLS = ("torch", "te_fused")
-LAUNCHER_KINDS = ("torchrun", "slurm")
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .dtypes import Dtype
+from .fp8 import FP8Format, FP8Recipe
+from .sharding import OuterStrategy, ZeroStrategy
+
+
+class Backend(Choice):
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Dataset(Choice):
+    synthetic = "synthetic"
+    text = "text"
+
+
+class ResumeMode(Choice):
+    auto = "auto"
+    must = "must"
+    never = "never"
+
+
+class CudaGraphMode(Choice):
+    none = "none"
+    full_iteration = "full_iteration"
+
+
+class OptimImpl(Choice):
+    torch = "torch"
+    te_fused = "te_fused"
+
+
+class LauncherKind(Choice):
+    torchrun = "torchrun"
+    slurm = "slurm"
 
 
 @dataclass
@@ -37,7 +61,7 @@ class MeshConfig:
 class EngineConfig:
     name: str = "fsdp2"
     # Distributed backend; null picks nccl when CUDA is present, else gloo.
-    backend: Optional[str] = None
+    backend: Optional[Backend] = None
     report_nan_in_param_grad: bool = False
     # Megatron-FSDP only: overlap/communication knobs passed through to fully_shard_model.
     keep_fp8_transpose_cache: bool = False
@@ -48,23 +72,24 @@ class EngineConfig:
 
 @dataclass
 class ShardingConfig:
-    # Names or 0-3; both are accepted and normalized by validation.
-    zero_dp_strategy: Any = 3
-    outer_dp_sharding_strategy: Any = "no_shard"
+    # A name or its number (0-3 / 0-1).
+    zero_dp_strategy: ZeroStrategy = ZeroStrategy.optim_grads_params
+    outer_dp_sharding_strategy: OuterStrategy = OuterStrategy.no_shard
 
 
 @dataclass
 class PrecisionConfig:
-    compute_dtype: Optional[str] = "fp32"
-    main_params_dtype: Optional[str] = "fp32"
-    main_grads_dtype: Optional[str] = None
-    grad_comm_dtype: Optional[str] = None
+    # null: fp32 (resolved before the config is frozen).
+    compute_dtype: Optional[Dtype] = Dtype.fp32
+    main_params_dtype: Optional[Dtype] = Dtype.fp32
+    main_grads_dtype: Optional[Dtype] = None
+    grad_comm_dtype: Optional[Dtype] = None
 
 
 @dataclass
 class FP8Config:
-    recipe: str = "none"
-    format: str = "HYBRID"
+    recipe: FP8Recipe = FP8Recipe.none
+    format: FP8Format = FP8Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     margin: int = 0
@@ -91,7 +116,8 @@ class ModelConfig:
     # Toy models: output dim and TE options, as in the seed.
     output_dim: Optional[int] = None
     fuse_qkv: bool = False
-    params_dtype: Optional[str] = None
+    # TE models: null follows precision.compute_dtype (resolved).
+    params_dtype: Optional[Dtype] = None
     init_on_meta: bool = False
     # Globs over parameter names; matches get requires_grad=False and no optimizer state.
     freeze: List[str] = field(default_factory=list)
@@ -102,7 +128,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    impl: str = "torch"
+    impl: OptimImpl = OptimImpl.torch
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -124,7 +150,7 @@ class TrainConfig:
     compile: bool = False
     seed: int = 1234
     grad_clip: Optional[float] = 1.0
-    cuda_graph: str = "none"
+    cuda_graph: CudaGraphMode = CudaGraphMode.none
     progress: bool = True
     # Device peak in TFLOP/s for MFU; null looks the device up, and MFU is null if unknown.
     peak_tflops: Optional[float] = None
@@ -135,7 +161,7 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"
+    name: Dataset = Dataset.synthetic
     # text: a file, directory or glob; null uses the Python standard library's sources.
     path: Optional[str] = None
     tokenizer: Optional[str] = None  # path to a local tokenizer.json; null: bytes
@@ -148,7 +174,7 @@ class CheckpointConfig:
     interval: int = 0  # 0: only the final save
     keep_last: int = 3
     async_save: bool = False
-    resume: str = "auto"
+    resume: ResumeMode = ResumeMode.auto
     load_step: Optional[int] = None
     load_path: Optional[str] = None
     load_weights_only: bool = False
@@ -163,7 +189,7 @@ class RunConfig:
 
 @dataclass
 class LauncherConfig:
-    kind: str = "torchrun"
+    kind: LauncherKind = LauncherKind.torchrun
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0

@@ -12,7 +12,6 @@ from typing import Callable, Optional
 import torch
 from torch.nn.functional import mse_loss
 
-from .sizes import TOY_CNN_CHANNELS, TOY_CNN_KERNEL, ToyDims
 
 
 class ToyCNN(torch.nn.Module):
@@ -78,28 +77,6 @@ TOY_UNIT_MODULES = {
     "toy_cnn": (torch.nn.Conv2d, torch.nn.Linear),
     "toy_transformer": (torch.nn.Transformer,),
 }
-
-
-def build_toy(name: str, dims: ToyDims) -> torch.nn.Module:
-    """Construct a toy model on the current default device, as the seed's build_toy_model does."""
-    if name == "toy_cnn":
-        return ToyCNN(
-            channels=TOY_CNN_CHANNELS,
-            height=dims.dim,
-            width=dims.dim,
-            kernel_size=TOY_CNN_KERNEL,
-            output_dim=dims.output_dim,
-            bias=True,
-            num_layers=dims.n_layers,
-        )
-    if name == "toy_transformer":
-        return ToyTransformer(
-            model_dim=dims.dim,
-            num_heads=dims.n_heads,
-            num_layers=dims.n_layers,
-            output_dim=dims.output_dim,
-        )
-    raise ValueError(f"unknown toy model {name!r}")
 
 
 def toy_batch(

@@ -1,6 +1,6 @@
 """Models built from Transformer Engine (TE 2.x) modules: the seed's ToyTETransformer and TEGPT.
 
-Import-safe without TE: TE is imported by `_te()` inside constructors and functions, only when a
+Import-safe without TE: TE is imported by `te_module()` inside constructors and functions, only when a
 te_* model is actually built. TE modules need CUDA; under `with torch.device("meta")` they are
 built on the meta device (TE takes an explicit `device` argument, so we pass it on).
 
@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gpt import Embedding, RMSNorm
-from .sizes import GPTDims
+from .gpt_modules import Embedding, RMSNorm
+from .llama_dims import GPTDims
 
 INIT_STD = 0.02
 TE_DEFAULT_INIT_STD = 0.023  # TE's get_default_init_method()
@@ -33,7 +33,7 @@ def te_import_error(model_name: str, exc: BaseException) -> RuntimeError:
     )
 
 
-def _te(model_name: str = "te_gpt"):
+def te_module(model_name: str = "te_gpt"):
     """`transformer_engine.pytorch`, or a RuntimeError with a one-line reason.
 
     A half-installed TE (python package present, core library missing) raises RuntimeError or
@@ -66,7 +66,7 @@ class ToyTETransformer(torch.nn.Module):
         device="cuda",
     ):
         super().__init__()
-        te = _te("te_toy_transformer")
+        te = te_module("te_toy_transformer")
         self.layers = torch.nn.ModuleList(
             [
                 te.TransformerLayer(
@@ -98,7 +98,7 @@ def rope_transformer_layer_class():
     a few hundred. Built lazily (TE is optional); isinstance checks against TransformerLayer, the
     FSDP unit class, still match.
     """
-    te = _te()
+    te = te_module()
 
     class RopeTransformerLayer(te.TransformerLayer):
         def __init__(self, *args, rope_dim: int, rope_theta: float, **kwargs):
@@ -130,7 +130,7 @@ class TEGPT(nn.Module):
 
     def __init__(self, dims: GPTDims, params_dtype: Optional[torch.dtype] = None):
         super().__init__()
-        te = _te()
+        te = te_module()
         self.dims = dims
         dtype = params_dtype or torch.get_default_dtype()
         device = te_device()
@@ -201,7 +201,7 @@ def init_te_model(model: nn.Module, std: float, out_std: float) -> None:
     `reset_parameters()` re-quantizes them from its init_method. That replaces the Parameter
     objects, so call this before the optimizer is built.
     """
-    te = _te()
+    te = te_module()
     for module_name, module in model.named_modules():
         quantized = False
         for name, param in module.named_parameters(recurse=False):

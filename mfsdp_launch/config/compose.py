@@ -13,9 +13,9 @@ from typing import Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import rundir
-from .atomic_io import atomic_write_text
-from .errors import ConfigError
+from .. import rundir
+from ..atomic_io import atomic_write_text
+from ..errors import ConfigError
 from .schema import Config
 
 SCHEMA_NAME = "mfsdp_schema"
@@ -23,10 +23,11 @@ SCHEMA_NAME = "mfsdp_schema"
 
 def config_dir() -> Path:
     """The config root: inside the installed package, or `configs/` of a source checkout."""
-    packaged = Path(__file__).resolve().parent / "configs"
+    package = Path(__file__).resolve().parent.parent
+    packaged = package / "configs"
     if (packaged / "config.yaml").is_file():
         return packaged
-    source = Path(__file__).resolve().parent.parent / "configs"
+    source = package.parent / "configs"
     if (source / "config.yaml").is_file():
         return source
     raise RuntimeError(f"mfsdp-launch configs not found (looked in {packaged} and {source})")

@@ -1,0 +1,105 @@
+"""The ``prepare`` worker: tokenize one work item into one shard (runs in a pool process).
+
+Each worker loads the tokenizer once and runs it single-threaded (``--workers`` is the
+parallelism). Text is encoded in batches of about ``BATCH_BYTES`` and written as it goes, so a
+worker holds one batch, not a shard. Files are written under temporary names and renamed when
+complete; the parent records the shard only after that, so a crash leaves nothing half-valid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from itertools import chain
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..atomic_io import atomic_write
+from . import inputs
+from .indexed import write_index
+from .shards import Hasher, file_checksum, file_entry, shard_name
+
+BATCH_BYTES = 1 << 20
+
+_tok = None
+_queue = None
+
+
+def init_worker(tokenizer_path: str, queue) -> None:
+    """Pool initializer: one tokenizer per process; Ctrl-C is the parent's to handle."""
+    global _tok, _queue
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # processes, not threads, are the parallelism
+    from tokenizers import Tokenizer
+
+    _tok = Tokenizer.from_file(tokenizer_path)
+    _queue = queue
+
+
+class _ShardBuilder:
+    """Accumulates documents' token ids into the open .bin; remembers document lengths."""
+
+    def __init__(self, f, dtype, eos_id: int, algo: str):
+        self.f, self.dtype, self.eos_id = f, np.dtype(dtype), eos_id
+        self.hasher = Hasher(algo)
+        self.lengths: List[int] = []
+        self.current = 0  # tokens of the open document
+        self.batch: List[tuple] = []
+        self.batch_bytes = 0
+
+    def add(self, text: str, ends: bool, nbytes: int) -> None:
+        self.batch.append((text, ends))
+        self.batch_bytes += nbytes
+        if self.batch_bytes >= BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.batch:
+            return
+        texts = [t for t, _ in self.batch]
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we do not use
+        encode = getattr(_tok, "encode_batch_fast", _tok.encode_batch)
+        encs = encode(texts, add_special_tokens=False)
+        parts = []
+        for (_, ends), enc in zip(self.batch, encs):
+            ids = enc.ids
+            self.current += len(ids)
+            parts.append(ids)
+            if ends and self.current:  # an empty document leaves no trace, not even an EOS
+                parts.append([self.eos_id])
+                self.lengths.append(self.current + 1)
+                self.current = 0
+        arr = np.array(list(chain.from_iterable(parts)), dtype=self.dtype)
+        self.f.write(arr.tobytes())
+        self.hasher.update(arr.tobytes())
+        if _queue is not None:
+            _queue.put((self.batch_bytes, int(arr.size)))
+        self.batch, self.batch_bytes = [], 0
+
+
+def write_shard(job: Dict[str, Any]) -> Dict[str, Any]:
+    """Tokenize ``job['pieces']`` into ``shard_<index>.bin/.idx``; return the manifest entry."""
+    name = shard_name(job["index"])
+    prefix = os.path.join(job["out"], name)
+    skipped: Dict[str, int] = {}
+    state: Dict[str, Optional[_ShardBuilder]] = {"b": None}
+
+    def write_bin(f):
+        b = state["b"] = _ShardBuilder(f, job["dtype"], job["eos_id"], job["algo"])
+        for piece in job["pieces"]:
+            for text, ends, nbytes in inputs.read(piece, job["field"], skipped):
+                b.add(text, ends, nbytes)
+        b.flush()
+
+    atomic_write(prefix + ".bin", write_bin)
+    b = state["b"]
+    entry = {"index": job["index"], "name": name, "n_tokens": int(sum(b.lengths)),
+             "n_documents": len(b.lengths), "skipped": skipped}
+    if not b.lengths:  # nothing but empty documents: no files, no manifest entry
+        os.unlink(prefix + ".bin")
+        return entry
+    atomic_write(prefix + ".idx", lambda f: write_index(f, job["dtype"], np.asarray(b.lengths)))
+    entry["files"] = {"bin": file_entry(prefix + ".bin", str(b.hasher)),
+                      "idx": file_entry(prefix + ".idx", file_checksum(prefix + ".idx", job["algo"]))}
+    return entry

@@ -1,0 +1,182 @@
+"""A prepared corpus directory: Megatron-format shards plus ``manifest.json``.
+
+::
+
+    DIR/manifest.json          format, version, tokenizer (sha256, vocab), eos_id, dtype,
+                               token/document counts, one entry per shard with file checksums
+    DIR/shard_000000.bin/.idx  tokens and index (see indexed.py); every document ends with EOS
+
+Checksums are xxh64 when ``xxhash`` is installed, else crc32 (zlib); the value carries its
+algorithm (``"xxh64:..."``), so a directory checks out on any machine that has that algorithm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+from ..atomic_io import atomic_write
+from .indexed import MegatronShard, write_index
+
+MANIFEST = "manifest.json"
+FORMAT = "mfsdp-tokens"
+FORMAT_VERSION = 1
+READ_BLOCK = 1 << 22
+
+
+class _Crc32:
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def checksum_algo() -> str:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "crc32"
+    return "xxh64"
+
+
+class Hasher:
+    """Streaming checksum; ``str(h)`` is ``"<algo>:<hex>"``. The one place the algorithm is chosen."""
+
+    def __init__(self, algo: str = ""):
+        self.algo = algo or checksum_algo()
+        if self.algo == "xxh64":
+            import xxhash
+
+            self._h = xxhash.xxh64()
+        elif self.algo == "crc32":
+            self._h = _Crc32()
+        else:
+            raise ValueError(f"unknown checksum algorithm {self.algo!r} (xxhash not installed?)")
+
+    def update(self, data) -> "Hasher":
+        self._h.update(data)
+        return self
+
+    def __str__(self) -> str:
+        return f"{self.algo}:{self._h.hexdigest()}"
+
+
+def file_checksum(path: str, algo: str = "") -> str:
+    h = Hasher(algo)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(READ_BLOCK), b""):
+            h.update(block)
+    return str(h)
+
+
+def shard_name(i: int) -> str:
+    return f"shard_{i:06d}"
+
+
+def file_entry(path: str, checksum: str) -> Dict[str, Any]:
+    return {"bytes": os.path.getsize(path), "checksum": checksum}
+
+
+def check_file(path: str, entry: Dict[str, Any], full: bool = True) -> str:
+    """'' when ``path`` matches its manifest entry, else what is wrong (size always, checksum if full)."""
+    if not os.path.isfile(path):
+        return f"{path} is missing"
+    size = os.path.getsize(path)
+    if size != entry["bytes"]:
+        return f"{path} has {size} bytes, manifest says {entry['bytes']}"
+    if full:
+        algo = str(entry["checksum"]).partition(":")[0]
+        try:
+            got = file_checksum(path, algo)
+        except ValueError as e:
+            return f"{path}: {e}"
+        if got != entry["checksum"]:
+            return f"{path} checksum {got} != manifest {entry['checksum']}"
+    return ""
+
+
+def read_manifest(directory: str) -> Dict[str, Any]:
+    """The manifest of a prepared directory; ValueError (one line) when absent or not ours."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{directory} has no {MANIFEST} (not a prepared corpus)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an {FORMAT} manifest")
+    if m.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format version {m.get('version')}, this reader knows {FORMAT_VERSION}")
+    return m
+
+
+def manifest_bytes(manifest: Dict[str, Any]) -> bytes:
+    """Canonical serialisation (sorted keys): the same corpus gives the same bytes."""
+    return (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+
+
+def build_manifest(entries: Sequence[Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest of shard ``entries`` (empty shards dropped) with ``meta`` (tokenizer, eos_id, dtype, ...)."""
+    kept = [{k: e[k] for k in ("name", "n_tokens", "n_documents", "files")} for e in entries if e.get("files")]
+    skipped: Dict[str, int] = {}
+    for e in entries:
+        for k, v in e.get("skipped", {}).items():
+            skipped[k] = skipped.get(k, 0) + v
+    return {"format": FORMAT, "version": FORMAT_VERSION, "index_format": "megatron-mmidx", **meta,
+            "n_tokens": sum(s["n_tokens"] for s in kept), "n_documents": sum(s["n_documents"] for s in kept),
+            "skipped": skipped, "shards": kept}
+
+
+def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
+    payload = manifest_bytes(manifest)
+    atomic_write(os.path.join(directory, MANIFEST), lambda f: f.write(payload))
+
+
+def write_shard(directory: str, index: int, tokens: np.ndarray, lengths: Sequence[int],
+                algo: str = "") -> Dict[str, Any]:
+    """Write in-memory ``tokens`` (documents of ``lengths``) as shard ``index``; its manifest entry.
+
+    For token sets made without a tokenizer (benchmarks, tests); ``prepare`` streams instead.
+    """
+    name = shard_name(index)
+    prefix = os.path.join(directory, name)
+    atomic_write(prefix + ".bin", lambda f: f.write(memoryview(np.ascontiguousarray(tokens))))
+    atomic_write(prefix + ".idx", lambda f: write_index(f, tokens.dtype, np.asarray(lengths)))
+    files = {ext: file_entry(f"{prefix}.{ext}", file_checksum(f"{prefix}.{ext}", algo)) for ext in ("bin", "idx")}
+    return {"index": index, "name": name, "n_tokens": int(len(tokens)), "n_documents": len(lengths), "files": files}
+
+
+def open_prepared(directory: str) -> tuple:
+    """(manifest, [MegatronShard]) of a prepared directory; shards open lazily."""
+    m = read_manifest(directory)
+    shards = []
+    for s in m["shards"]:
+        prefix = os.path.join(directory, s["name"])
+        for ext in ("bin", "idx"):
+            problem = check_file(f"{prefix}.{ext}", s["files"][ext], full=False)
+            if problem:
+                raise ValueError(problem)
+        shards.append(MegatronShard(prefix, s["n_tokens"], s["n_documents"], m["dtype"]))
+    return m, shards
+
+
+def verify(directory: str) -> List[str]:
+    """Every problem found by checking each shard file's size and checksum against the manifest."""
+    m = read_manifest(directory)
+    problems = []
+    for s in m["shards"]:
+        for ext in ("bin", "idx"):
+            p = check_file(os.path.join(directory, f"{s['name']}.{ext}"), s["files"][ext])
+            if p:
+                problems.append(p)
+    return problems

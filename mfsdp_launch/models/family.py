@@ -1,0 +1,154 @@
+"""What a model family declares (torch-free) and what it builds (a ModelSpec, with torch).
+
+A family is one file under models/: its dimensions, parameter count, FLOPs per token, activation
+memory, config checks, how to build and initialize it, its FSDP unit modules and its loss. The
+registry (models/__init__.py) maps `model.name` to a family; every list of model names derives
+from it. Validation, the dry run, the checkpoint manifest and the worker ask the family.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """The settings outside `model.*` that a family's checks need."""
+
+    tp: int = 1
+    cp: int = 1
+    seq_len: int = 1
+    micro_batch_size: int = 1
+    fp8_recipe: str = "none"
+    fp8_skip: Sequence[str] = ()
+    data_name: str = "synthetic"
+
+
+@dataclass
+class ModelSpec:
+    """Everything the engines and the loop need about a built model (nothing distributed applied)."""
+
+    name: str
+    # Constructs the model on the CURRENT default device: callers wrap it in
+    # `with torch.device("meta")` for meta init, or `torch.device("cuda")`.
+    build: Callable[[], "nn.Module"]
+    unit_modules: tuple  # FSDP unit classes (model.fsdp_unit_modules overrides them)
+    loss: Callable[["nn.Module", dict], "torch.Tensor"]  # forward on a batch -> scalar loss
+    # Re-inits the params of a (possibly sharded, DTensor) model in place after meta-device init
+    # + to_empty(). Call it before building the optimizer (TE FP8 params are re-created).
+    init_weights: Callable[["nn.Module"], None]
+    uses_tokens: bool  # batches are {"input_ids", "labels"} [B, T]
+    # Toys: (generator, micro_batch_size, device) -> {"x", "y"}; None for LMs.
+    synthetic_batch: Optional[Callable[["torch.Generator", int, "torch.device"], dict]]
+    tokens_per_sample: int  # seq_len for LMs, 1 for toys
+    num_params: int
+    flops_per_token: float  # per sample for toys
+    vocab_size: Optional[int] = None
+
+
+class ModelFamily:
+    """Base class: override what differs. Methods take the `model` config section (`m`)."""
+
+    name = ""
+    uses_tokens = True
+    has_te_layers = False  # FP8 recipes act on TE layers only
+    # Takes a mesh with tp/cp > 1. The seed's toys replicate over those dims (every rank of a
+    # TP/CP group sees the same batch), so they accept them.
+    model_parallel = False
+    attention = True  # has attention heads that tp must divide
+
+    def check(self, m, ctx: ModelContext) -> List[str]:
+        """Refuse (ConfigError) what this family cannot run; return warnings."""
+        return []
+
+    def resolve(self, m, compute_dtype) -> None:
+        """Fill derived `model.*` values in place, before the config is frozen."""
+
+    def n_heads(self, m) -> Optional[int]:
+        return None
+
+    def vocab_size(self, m) -> Optional[int]:
+        return None
+
+    def shape(self, m) -> dict:
+        """The resolved fields that decide the saved tensors (checkpoint compatibility)."""
+        raise NotImplementedError
+
+    def param_count(self, m) -> int:
+        raise NotImplementedError
+
+    def flops_per_token(self, m, seq_len: int) -> float:
+        raise NotImplementedError
+
+    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
+        raise NotImplementedError
+
+    def largest_unit_params(self, m) -> int:
+        """Parameters of the largest FSDP unit (the most one all-gather materializes)."""
+        return self.param_count(m)
+
+    def describe(self, m, seq_len: int) -> str:
+        return f"{self.name} params={self.param_count(m):,} flops/token={self.flops_per_token(m, seq_len):.3e}"
+
+    def spec(self, m, seq_len: int) -> ModelSpec:
+        """Build the ModelSpec (imports torch)."""
+        raise NotImplementedError
+
+
+def resolve_unit_modules(names: Sequence[str]) -> tuple:
+    """Dotted class names ("torch.nn.Linear", "transformer_engine.pytorch.TransformerLayer") ->
+    classes: the longest importable module prefix, then attributes. ConfigError naming the entry."""
+    import torch.nn as nn
+
+    classes = []
+    for name in map(str, names):
+        obj, error = _import_dotted(name)
+        if obj is None:
+            raise ConfigError("model.fsdp_unit_modules", f"cannot resolve {name!r} ({error})")
+        if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+            raise ConfigError("model.fsdp_unit_modules", f"{name!r} is not an nn.Module class")
+        classes.append(obj)
+    return tuple(classes)
+
+
+def _import_dotted(name: str):
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        except Exception as exc:  # noqa: BLE001 - a broken package (e.g. half-installed TE)
+            return None, f"importing {module_name} failed: {type(exc).__name__}: {exc}"
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None, f"{module_name} has no attribute {'.'.join(parts[cut:])!r}"
+        return obj, ""
+    return None, "no importable module prefix"
+
+
+def find_module(model: "nn.Module", cls: type) -> "nn.Module":
+    """The `cls` instance inside a possibly wrapped model (FSDP, Megatron-FSDP, torch.compile)."""
+    for module in model.modules():
+        if isinstance(module, cls):
+            return module
+    raise TypeError(f"no {cls.__name__} inside {type(model).__name__}")
+
+
+def lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """Mean next-token cross-entropy over all tokens, computed in fp32."""
+    import torch.nn.functional as F
+
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())

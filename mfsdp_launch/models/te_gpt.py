@@ -1,0 +1,62 @@
+"""Family `te_gpt`: the `gpt` architecture on Transformer Engine layers (models/te_modules.py)."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import List
+
+from ..config.fp8 import FP8_GEMM_MULTIPLE
+from ..errors import ConfigError
+from . import llama_dims as L
+from .family import ModelContext, ModelSpec, find_module
+from .gpt import GPTFamily
+
+
+class TEGPTFamily(GPTFamily):
+    name = "te_gpt"
+    has_te_layers = True
+
+    def check(self, m, ctx: ModelContext) -> List[str]:
+        d = self.dims(m)
+        if ctx.fp8_recipe != "none":
+            _check_fp8_shapes(d, ctx)
+        return []
+
+    def resolve(self, m, compute_dtype) -> None:
+        # TE layers compute in their parameters' dtype (FP8 weights keep it as the high-precision copy).
+        if m.params_dtype is None:
+            m.params_dtype = compute_dtype
+
+    def largest_unit_params(self, m) -> int:
+        d = self.dims(m)  # the te.Linear head is a unit of its own
+        head = 0 if d.tie_embeddings else d.vocab_size * d.dim
+        return max(L.layer_params(d), d.vocab_size * d.dim + d.dim, head)
+
+    def spec(self, m, seq_len: int) -> ModelSpec:
+        from ..precision import torch_dtype
+        from . import te_modules
+
+        te = te_modules.te_module(self.name)
+        dims, dtype = self.dims(m), torch_dtype(m.params_dtype)
+        # The head (te.Linear) is its own unit, as in the seed's TE test; te.Linear layers inside a
+        # TransformerLayer belong to that layer's unit.
+        return self._spec(m, seq_len, build=lambda: te_modules.TEGPT(dims, params_dtype=dtype),
+                          unit_modules=(te.TransformerLayer, te.Linear),
+                          init_weights=lambda model: find_module(model, te_modules.TEGPT).init_weights())
+
+
+def _check_fp8_shapes(d: L.GPTDims, ctx: ModelContext) -> None:
+    """FP8 GEMMs need every dimension divisible by 16; the head may be kept out via fp8.skip."""
+    head_in_fp8 = not d.tie_embeddings and not any(fnmatch.fnmatchcase("lm_head", p) for p in ctx.fp8_skip)
+    checks = [("model.dim", d.dim), ("model.ffn_dim", d.ffn_dim),
+              ("train.micro_batch_size*train.seq_len", ctx.micro_batch_size * ctx.seq_len)]
+    if head_in_fp8:
+        checks.append(("model.vocab_size", d.vocab_size))
+    for key, value in checks:
+        if value % FP8_GEMM_MULTIPLE:
+            hint = "or fp8.skip=[lm_head]" if key == "model.vocab_size" else "or fp8.recipe=none"
+            raise ConfigError(key, f"{value} is not divisible by {FP8_GEMM_MULTIPLE}, which FP8 GEMMs need",
+                              f"a multiple of {FP8_GEMM_MULTIPLE}, {hint}")
+
+
+FAMILY = TEGPTFamily()
