@@ -7,7 +7,9 @@ newest intact checkpoint). The DCP shards are read in this process, without a pr
 it runs anywhere (no GPU, any world size). Only the model's tensors are kept; wrapper prefixes
 ("module.", "_orig_mod.", ...) are stripped, so the keys are those of the unwrapped model's
 `state_dict()`. Floating-point tensors are cast to --dtype (default: as saved). The format is
-safetensors when the package is installed, else `torch.save`. Bad input: one line on stderr, exit 2.
+safetensors when the package is installed, else `torch.save`; the file gets the mode a new file
+gets under the umask (0644 under 022), and it and its directory are fsynced. Every file's checksum
+is verified first. Bad input, a damaged or unreadable checkpoint: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from .atomic_io import atomic_write_path
+from .console import eprint
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
 DTYPES = ("fp32", "bf16", "fp16", "as_saved")
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "hf")
 
 
 def _have_safetensors() -> bool:
@@ -34,38 +38,59 @@ def _have_safetensors() -> bool:
 
 
 def read_model_state(ckpt: str | os.PathLike) -> tuple[Dict[str, "torch.Tensor"], object]:
-    """The unwrapped model tensors of a committed checkpoint, and its Found record."""
+    """The unwrapped model tensors of a committed checkpoint (checksums verified), and its Found record."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .checkpoint import quiet_single_process_warnings, resolve_checkpoint, saved_model_keys
+    from .checkpoint import CheckpointError, quiet_single_process_warnings, saved_model_keys
+    from .checkpoint.errors import dcp_failures, describe
 
     quiet_single_process_warnings()
 
-    found = resolve_checkpoint(ckpt, key="CKPT_DIR")
-    reader = FileSystemReader(str(found.path))
-    md = reader.read_metadata()
-    saved = {}  # {name: saved key} of the tensors only
-    for name, key in saved_model_keys(md, path=found.path, key="CKPT_DIR").items():
-        if isinstance(md.state_dict_metadata["model." + key], TensorStorageMetadata):
-            saved[name] = key
-    if not saved:
-        raise ConfigError("CKPT_DIR", f"{found.path} holds no model tensors")
-    request: Dict[str, torch.Tensor] = {}
-    for key in saved.values():
-        meta = md.state_dict_metadata["model." + key]
-        request[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    dcp.load({"model": request}, storage_reader=reader, no_dist=True)
+    found = resolve_verified(ckpt)
+    try:
+        reader = FileSystemReader(str(found.path))
+        md = reader.read_metadata()
+        saved = {}  # {name: saved key} of the tensors only
+        for name, key in saved_model_keys(md, path=found.path, key="CKPT_DIR").items():
+            if isinstance(md.state_dict_metadata["model." + key], TensorStorageMetadata):
+                saved[name] = key
+        if not saved:
+            raise ConfigError("CKPT_DIR", f"{found.path} holds no model tensors")
+        request: Dict[str, torch.Tensor] = {}
+        for key in saved.values():
+            meta = md.state_dict_metadata["model." + key]
+            request[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        dcp.load({"model": request}, storage_reader=reader, no_dist=True)
+    except ConfigError:
+        raise
+    except dcp_failures() as exc:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read {found.path} ({describe(exc)})") from exc
     return {name: request[key] for name, key in saved.items()}, found
+
+
+def resolve_verified(ckpt: str | os.PathLike):
+    """The checkpoint CKPT names, its checksums verified. A run or checkpoints directory falls back
+    past a step that fails them (one warning line each); a step directory that fails is refused."""
+    from .checkpoint import resolve_checkpoint, verify_checksums
+
+    damaged: dict = {}
+    while True:
+        found = resolve_checkpoint(ckpt, key="CKPT_DIR", damaged=damaged)
+        problem = verify_checksums(found.path, found.manifest)
+        if problem is None:
+            return found
+        if found.path == Path(ckpt).expanduser().absolute():
+            raise ConfigError("CKPT_DIR", f"{found.path} is damaged ({problem})")
+        eprint(f"mfsdp-export: warning: {found.name} is damaged ({problem}); trying the step before it")
+        damaged[found.path] = problem
 
 
 def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_saved",
            fmt: Optional[str] = None) -> dict:
     import torch
-
-    from .checkpoint import write_atomic
 
     if dtype not in DTYPES:
         raise ConfigError("--dtype", f"unknown dtype {dtype!r}", DTYPES)
@@ -74,6 +99,10 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_
         raise ConfigError("--format", f"unknown format {fmt!r}", FORMATS)
     if fmt == "safetensors" and not _have_safetensors():
         raise ConfigError("--format", "safetensors is not installed (pip install safetensors)", "torch")
+    if fmt == "hf":  # a Hugging Face directory: config.json + safetensors (mfsdp_launch/hf/export.py)
+        from .hf.export import export_checkpoint
+
+        return export_checkpoint(ckpt, out, dtype=None if dtype == "as_saved" else dtype)
     out = Path(out).expanduser().absolute()
     if out.is_dir():
         raise ConfigError("OUT", f"{out} is a directory; give a file name")
@@ -90,12 +119,11 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_
         from safetensors.torch import save_file
 
         meta = {"step": str(found.step), "source": str(found.path)}
-        # safetensors writes by path only: into the open tmp file's name. The fsync on that handle
-        # covers it (fsync syncs the file, not just what this handle wrote).
-        write = lambda f: save_file(tensors, f.name, metadata=meta)  # noqa: E731
+        # safetensors writes by path only, into a new file (mode 0600) that replaces the path:
+        # atomic_write_path fsyncs whatever file is there by name and gives it the umask's mode.
+        atomic_write_path(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
     else:
-        write = lambda f: torch.save(tensors, f)  # noqa: E731
-    write_atomic(out, write)
+        atomic_write_path(out, lambda tmp: torch.save(tensors, tmp))
     n_params = sum(t.numel() for t in tensors.values())
     return {"path": str(out), "step": found.step, "source": str(found.path), "tensors": len(tensors),
             "params": n_params, "format": fmt, "bytes": out.stat().st_size}
@@ -115,16 +143,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("out", metavar="OUT", help="output file")
     parser.add_argument("--dtype", default="as_saved", choices=DTYPES, help="cast floating tensors (default: as saved)")
     parser.add_argument("--format", default=None, choices=FORMATS,
-                        help="default: safetensors if installed, else torch")
+                        help="default: safetensors if installed, else torch; hf: OUT is a Hugging Face directory")
     args = parser.parse_args(argv)
+    from .checkpoint.errors import CheckpointError, dcp_failures, describe
+
     try:
         info = export(args.ckpt, args.out, dtype=args.dtype, fmt=args.format)
-    except ConfigError as exc:
-        print(f"mfsdp-export: error: {exc}", file=sys.stderr, flush=True)
+    except (ConfigError, CheckpointError) as exc:
+        eprint(f"mfsdp-export: error: {exc}")
         return 2
-    except Exception as exc:  # a damaged shard, an unreadable file: still one line
-        first = (str(exc).strip().splitlines() or [""])[0]
-        print(f"mfsdp-export: error: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+    except dcp_failures() as exc:  # a damaged shard, an unreadable file (DCP's BaseException too): one line
+        eprint(f"mfsdp-export: error: {describe(exc)}")
         return 2
     print(f"mfsdp-export: wrote {info['tensors']} tensors ({info['params']:,} parameters) of step "
           f"{info['step']} to {info['path']} ({info['format']}, {info['bytes'] / 1e6:.1f} MB)")

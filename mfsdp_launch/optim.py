@@ -64,3 +64,60 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: in
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, optim_cfg, total_steps) / base
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# At a resume: the config's hyper-parameters and base LR win over the checkpoint's, so an LR change
+# takes effect; counters (TE FusedAdam keeps Adam's "step" in the param group) come from the checkpoint.
+
+
+def config_hparams(optimizer: torch.optim.Optimizer) -> List[dict]:
+    """The param groups' configured hyper-parameters: taken before a checkpoint overwrites them."""
+    return [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr", "step")}
+            for g in optimizer.param_groups]
+
+
+def _hp(v):
+    """Comparable form of a hyper-parameter (one-element tensors -> numbers, tuples -> lists)."""
+    if torch.is_tensor(v) and v.numel() == 1:
+        return v.item()
+    return list(v) if isinstance(v, tuple) else v
+
+
+def keep_config_hparams(optimizer: torch.optim.Optimizer, fresh: List[dict]) -> List[str]:
+    """Put the configured hyper-parameters (`config_hparams` before the load) back; one note each."""
+    notes: List[str] = []
+    if len(fresh) != len(optimizer.param_groups):
+        return notes
+    for i, (f, g) in enumerate(zip(fresh, optimizer.param_groups)):
+        for k, v in f.items():
+            if k in g and _hp(g[k]) != _hp(v):
+                notes.append(f"optimizer group {i} {k}: {_hp(g[k])} in the checkpoint -> {_hp(v)} from the config")
+                g[k] = v
+    return notes
+
+
+def load_schedule(scheduler, optimizer, state: dict) -> List[str]:
+    """Load a scheduler's state, keeping the configured base LR; a LambdaLR's LR is recomputed at the
+    restored step (identical to the saved LR when nothing changed). Returns notes on changes."""
+    notes: List[str] = []
+    # As floats: under capturable FusedAdam the LRs (and so the base LRs) are device tensors.
+    fresh_base = [float(b) for b in getattr(scheduler, "base_lrs", []) or []]
+    scheduler.load_state_dict(state)
+    if not fresh_base or optimizer is None:
+        return notes
+    old_base = [float(b) for b in scheduler.base_lrs]
+    if old_base != fresh_base:
+        notes.append(f"base LR {old_base} in the checkpoint -> {fresh_base} from the config")
+        scheduler.base_lrs = fresh_base
+        for g, b in zip(optimizer.param_groups, fresh_base):
+            g["initial_lr"] = b
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is not None and all(callable(f) for f in lambdas):
+        lrs = [b * f(scheduler.last_epoch) for f, b in zip(lambdas, map(float, scheduler.base_lrs))]
+        for g, lr in zip(optimizer.param_groups, lrs):
+            set_lr(g, lr)
+        scheduler._last_lr = list(lrs)
+    elif old_base != fresh_base:
+        notes.append(f"({type(scheduler).__name__}: the new base LR applies from the next schedule step)")
+    return notes

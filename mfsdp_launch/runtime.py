@@ -24,7 +24,7 @@ from .engines import engine_caps, get_engine
 from .engines.base import Engine, apply_freeze
 from .errors import ConfigError
 from .mesh import ParallelDims
-from .models import ModelSpec, build_model_spec
+from .models import ModelSpec, build_model_spec, family
 from .optim import build_optimizer, build_scheduler
 from .rng import seed_all
 
@@ -118,11 +118,26 @@ def build_training(cfg, rt: Runtime) -> Training:
     seed_all(cfg.train.seed)  # the same on every rank: nothing is broadcast at wrap time
     spec, model, frozen, kept = build_model(cfg.model, cfg.fp8, cfg.train.seq_len, rt.device, fp8_recipe)
     engine = build_engine(cfg, rt)
+    # Tensor parallelism, then activation checkpointing, on the built model; the engine shards last.
+    apply_model_parallel(model, cfg, rt)
     model = engine.shard(model, spec, init_on_meta=cfg.model.init_on_meta)
+    family(cfg.model.name).load_weights(cfg.model, model, engine)  # model.pretrained / model.init_from
     forward_model = torch.compile(model) if cfg.train.compile else model
     optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda"))
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()
     return Training(spec, model, forward_model, engine, optimizer, scheduler, fp8_recipe, frozen, kept)
+
+
+def apply_model_parallel(model, cfg, rt: Runtime) -> None:
+    """TP (models/parallelize.py) over the mesh's tp dim, then activation checkpointing."""
+    if rt.dims.tp > 1:
+        from .models.parallelize import parallelize
+
+        parallelize(model, cfg.model.name, rt.mesh["tp"])
+    if str(cfg.model.activation_checkpointing) != "none":
+        from .models.checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.ac_every)
 
 
 @dataclass

@@ -54,6 +54,8 @@ def run_as_external_worker(cfg, overrides: List[str]) -> int:
 def run(cfg) -> int:
     from .runtime import dist_env
 
+    from .checkpoint import CheckpointError
+
     rank = dist_env()[0]
     try:
         code = _train(cfg)
@@ -61,6 +63,10 @@ def run(cfg) -> int:
         if rank == 0:
             eprint(f"mfsdp-train: error: {exc}")
         code = 2
+    except CheckpointError as exc:  # every rank raises it together, after agreeing on the failure
+        if rank == 0:
+            eprint(f"mfsdp-train: error: {exc}")
+        code = 1
     except Exception:  # noqa: BLE001 - reported, then the rank leaves at once
         _leave_after_failure(rank)
     import gc
@@ -172,4 +178,10 @@ def _stop_control(stop_file: Path, rt, watchdog):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Leave without interpreter teardown: the process groups are destroyed and every file closed,
+    # and C++ destructors of gloo's threads at exit have aborted a rank ("terminate called without
+    # an active exception") after a run that had finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

@@ -11,6 +11,7 @@ rendered to bench/results.md and bench/throughput.png.
   python3 scripts/bench.py --group te_profile     # torch.profiler tables, bf16 vs FP8 (bare loop)
   python3 scripts/bench.py --group gpt_pair       # bare / launcher / bare / launcher, 40 steps each
   python3 scripts/bench.py --group te_deep        # te_gpt d=4096 with 16 layers (fills ~half the GPU)
+  python3 scripts/bench.py --group hf_vs_gpt      # HF LlamaForCausalLM vs the built-in gpt, 1.4B dims, both engines
   python3 scripts/bench.py --report               # re-render md/png from results.json
 """
 
@@ -35,6 +36,24 @@ TE = dict(model="te_gpt", preset="2b", seq=4096, mbs=4, precision="bf16")
 
 def entry(name, group, kind="launcher", engine="megatron_fsdp", fp8_params=False, **kw):
     return dict(name=name, group=group, kind=kind, engine=engine, fp8_params=fp8_params, **kw)
+
+
+def hf_llama_config(preset: str) -> dict:
+    """The LlamaConfig fields of a gpt preset's dims (one mapping: mfsdp_launch/hf/config.py)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT))
+    from mfsdp_launch.hf.config import llama_config
+    from mfsdp_launch.models.llama_dims import resolve_gpt_dims
+
+    dims = resolve_gpt_dims(SimpleNamespace(preset=preset, norm_eps=1e-5, rope_theta=10000.0))
+    skip = ("architectures", "model_type", "torch_dtype", "dtype")
+    return {k: v for k, v in llama_config(dims).items() if k not in skip}
+
+
+def hydra_dict(d: dict) -> str:
+    """A flat dict as a Hydra override value: {a: 1, b: false}."""
+    return "{" + ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in d.items()) + "}"
 
 
 MATRIX = [
@@ -63,6 +82,11 @@ MATRIX = [
     entry("mfsdp_te_gpt_2b_l16_bf16_mbs4", "te_deep", n_layers=16, **TE),
     entry("mfsdp_te_gpt_2b_l16_delayed_mbs4", "te_deep", n_layers=16, **dict(TE, precision="delayed")),
     entry("mfsdp_te_gpt_2b_l16_current_mbs4", "te_deep", n_layers=16, **dict(TE, precision="current")),
+    # The same 1.4B Llama dims as a Hugging Face LlamaForCausalLM (model=hf, SDPA) next to the
+    # built-in gpt, both engines, in one call (A B A B per engine).
+    *[entry(f"{engine_tag}_{model}_1.4b_bf16_mbs4_hfcmp", "hf_vs_gpt", engine=engine,
+            **dict(GPT, model=model))
+      for engine_tag, engine in (("mfsdp", "megatron_fsdp"), ("fsdp2", "fsdp2")) for model in ("gpt", "hf")],
     # Where the time goes (torch.profiler, bare loop on the same TE GPT).
     entry("profile_te_gpt_2b_bf16", "te_profile", kind="bare", engine="bare megatron_fsdp", profile=3, **TE),
     entry("profile_te_gpt_2b_delayed_params", "te_profile", kind="bare", engine="bare megatron_fsdp", profile=3,
@@ -86,8 +110,13 @@ def _env():
 
 
 def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: Path) -> list:
+    if e["model"] == "hf":  # the preset's dims as an HF config
+        model_args = ["model=hf", "model.hf_class=LlamaForCausalLM",
+                      f"model.hf_config={hydra_dict(hf_llama_config(e['preset']))}"]
+    else:
+        model_args = [f"model={e['model']}", f"model.preset={e['preset']}"]
     args = [
-        f"engine={e['engine']}", f"model={e['model']}", f"model.preset={e['preset']}", "model.init_on_meta=true",
+        f"engine={e['engine']}", *model_args, "model.init_on_meta=true",
         "data=synthetic", f"train.steps={steps}", f"train.log_interval={log_interval}",
         f"train.seq_len={e['seq']}", f"train.micro_batch_size={e['mbs']}", "train.progress=false",
         "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "precision.main_grads_dtype=fp32",
@@ -228,6 +257,12 @@ def render(res: dict) -> None:
         best = max((r for r in deep if r), key=lambda r: r["tokens_per_s_per_gpu"])
         notes.append(f"- te_gpt d=4096, 16 layers: bf16 MFU {100 * bf16['mfu']:.1f}%, {bf16['peak_mem_gib']:.0f} GiB; "
                      f"best FP8 ({best['name']}) / bf16 = **{best['tokens_per_s_per_gpu'] / bf16['tokens_per_s_per_gpu']:.3f}x**")
+    for tag, engine in (("mfsdp", "megatron_fsdp"), ("fsdp2", "fsdp2")):
+        g, h = by.get(f"{tag}_gpt_1.4b_bf16_mbs4_hfcmp"), by.get(f"{tag}_hf_1.4b_bf16_mbs4_hfcmp")
+        if g and h:
+            notes.append(f"- {engine}, 1.4B Llama dims: built-in gpt {g['tokens_per_s_per_gpu']:,.0f} vs HF "
+                         f"LlamaForCausalLM {h['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU: gpt is "
+                         f"**{g['tokens_per_s_per_gpu'] / h['tokens_per_s_per_gpu']:.3f}x**")
     if notes:
         lines += ["", *notes]
     (OUT / "results.md").write_text("\n".join(lines) + "\n")
@@ -258,7 +293,7 @@ def render(res: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--group", action="append", default=[], help="gpt | gpt_pair | te | te_deep | te_more | te_profile")
+    ap.add_argument("--group", action="append", default=[], help="gpt | gpt_pair | te | te_deep | te_more | te_profile | hf_vs_gpt")
     ap.add_argument("--only", action="append", default=[], help="entry names")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--log-interval", type=int, default=5)

@@ -32,7 +32,7 @@ def make_ckpt(ckpt_dir: Path, step: int, *, manifest: dict | None = None, ranks:
     (d / "trainer.json").write_text(json.dumps({"step": step}))
     if commit:
         body = dict(manifest or {})
-        body.update(step=step, files=C._list_files(d))
+        body.update(step=step, files=C.list_files(d))
         (d / C.MANIFEST).write_text(json.dumps(body))
         (ckpt_dir / C.LATEST).write_text(d.name + "\n")
     return d
@@ -158,6 +158,28 @@ def test_plan_falls_back_past_damaged(tmp_path):
     assert plan.kind == "resume" and plan.step == 10
     assert plan.notes == ["step_20 is damaged (missing __1_0.distcp), falling back to step_10"]
     assert plan.line == f"resuming from step 10 ({ck / 'step_10'})"
+
+
+def test_plan_skips_steps_a_checksum_found_damaged(tmp_path):
+    """`damaged`: what the workers' checksum verification found; sizes alone look fine."""
+    ck = tmp_path / "checkpoints"
+    make_ckpt(ck, 10)
+    make_ckpt(ck, 20)
+    bad = {ck / "step_20": "checksum mismatch in __0_0.distcp"}
+    plan = C.plan_resume(CheckpointConfig(), ck, bad)
+    assert plan.step == 10
+    assert plan.notes == ["step_20 is damaged (checksum mismatch in __0_0.distcp), falling back to step_10"]
+    other = tmp_path / "new" / "checkpoints"
+    plan = C.plan_resume(CheckpointConfig(load_path=str(tmp_path)), other, bad)
+    assert plan.step == 10 and not plan.own
+    assert plan.notes == [f"step_20 of {ck} is damaged (checksum mismatch in __0_0.distcp), falling back to step_10"]
+    with pytest.raises(ConfigError) as e:
+        C.plan_resume(CheckpointConfig(load_step=20), ck, bad)
+    assert "step_20 exists but is damaged (checksum mismatch in __0_0.distcp); committed steps in" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        C.plan_resume(CheckpointConfig(), ck, {ck / "step_20": "a", ck / "step_10": "b"})
+    assert str(e.value).startswith(f"checkpoint.resume: auto, but {ck} has no intact checkpoint: "
+                                   "step_20 is damaged (a); step_10 is damaged (b)")
 
 
 def test_plan_refuses_when_all_damaged(tmp_path):
@@ -323,10 +345,12 @@ def test_preflight_does_not_import_torch(tmp_path):
 
 
 def test_fallback_seed_is_distinct_per_rank_step_and_seed():
-    assert C.fallback_seed(1234, 3, 100) != C.fallback_seed(1234, 3, 101)
-    assert C.fallback_seed(1234, 3, 100) != C.fallback_seed(1235, 3, 100)
-    assert len({C.fallback_seed(1234, r, 100) for r in range(8)}) == 8
-    assert 0 <= C.fallback_seed(1, 2, 3) < 2**63
+    from mfsdp_launch.rng import fallback_seed
+
+    assert fallback_seed(1234, 3, 100) != fallback_seed(1234, 3, 101)
+    assert fallback_seed(1234, 3, 100) != fallback_seed(1235, 3, 100)
+    assert len({fallback_seed(1234, r, 100) for r in range(8)}) == 8
+    assert 0 <= fallback_seed(1, 2, 3) < 2**63
 
 
 def test_preflight_with_raw_model_config_in_manifest(tmp_path):
@@ -356,9 +380,8 @@ def test_scheduler_resume_keeps_a_device_lr_tensor_in_place():
     the schedule fills that tensor rather than replacing it with a float."""
     import torch
 
-    from mfsdp_launch.checkpoint import CheckpointManager
-    from mfsdp_launch.optim import build_scheduler
     from mfsdp_launch.config.schema import OptimConfig
+    from mfsdp_launch.optim import build_scheduler, load_schedule
 
     def optimizer_with_tensor_lr():
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
@@ -373,7 +396,7 @@ def test_scheduler_resume_keeps_a_device_lr_tensor_in_place():
         sched.step()
     after = optimizer_with_tensor_lr()
     lr_tensor = after.param_groups[0]["lr"]
-    notes = CheckpointManager._load_scheduler(build_scheduler(after, ocfg, 20), after, sched.state_dict())
+    notes = load_schedule(build_scheduler(after, ocfg, 20), after, sched.state_dict())
     assert notes == []
     assert after.param_groups[0]["lr"] is lr_tensor
     assert float(lr_tensor) == pytest.approx(float(before.param_groups[0]["lr"]))

@@ -282,7 +282,7 @@ def scenario_grow(rank: int, world: int, workdir: Path):
     """1 -> 2 ranks: resharded state identical; rank 1 has no saved RNG state and seeds itself."""
     import torch
 
-    from mfsdp_launch.checkpoint import fallback_seed
+    from mfsdp_launch.rng import fallback_seed
 
     engine, model, opt, sched, ts = _build(world, seed=11)
     mgr = _manager(workdir / "run1", world, rank, engine, interval=0)
@@ -364,6 +364,11 @@ if __name__ != "__main__":
         names = {f["path"] for f in manifest["files"]}
         assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt",
                 "trainer.json"} <= names
+        # Each rank hashed its own files in the writer's thread; all of them are recorded and match.
+        from mfsdp_launch.checkpoint import verify_checksums
+
+        assert all(e["checksum"].startswith("xxh3_64:") for e in manifest["files"])
+        assert verify_checksums(workdir / "run" / "checkpoints" / "step_6", manifest) is None
         assert re.search(r"checkpoint step_6 committed \([\d.]+ MB, [\d.]+ s, async\)", out), out
 
     def test_resume_at_another_world_size_reshards(main_run):
@@ -445,9 +450,10 @@ if __name__ != "__main__":
         assert not (ck / "step_20.tmp").exists()
 
     def test_failed_save_keeps_previous_checkpoints(tmp_path, monkeypatch):
-        """A full disk during a save: .tmp removed, committed checkpoints intact, clear error."""
+        """A write that fails inside DCP (which then raises its CheckpointException, a BaseException):
+        .tmp removed, committed checkpoints intact, one clear error; the next save works."""
         import torch
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
         from mfsdp_launch.checkpoint import CheckpointError, CheckpointManager, committed_steps
         from mfsdp_launch.engines.fsdp2 import FSDP2Engine
@@ -467,8 +473,9 @@ if __name__ != "__main__":
         def full_disk(*a, **k):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(dcp, "save", full_disk)
-        with pytest.raises(CheckpointError, match=r"step 2 failed .*No space left.*intact: step_1"):
+        monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+        with pytest.raises(CheckpointError, match=r"step 2 failed \(rank 0: OSError: \[Errno 28\] No space left.*"
+                                                  r"intact: step_1$"):
             mgr.maybe_save(2, model, opt, None, ts)
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1"]
         monkeypatch.undo()

@@ -165,3 +165,29 @@ def test_hf_class_must_fit_the_directory_config(tmp_path):
     with pytest.raises(ConfigError) as err:
         hf_model.resolve_hf_model(path=str(tmp_path), hf_class="Qwen2ForCausalLM")
     assert "Qwen2ForCausalLM takes a Qwen2Config, the config is a LlamaConfig" in _one_line(err, "model.hf_class")
+
+
+def test_meta_build_initializes_module_by_module_as_megatron_fsdp_does():
+    """Megatron-FSDP's meta init materializes each module that owns parameters and calls its
+    reset_parameters(); buffers of parameter-less modules (RoPE) stay on meta. The family's build
+    makes that give the model's own init and a working RoPE."""
+    from mfsdp_launch.config.schema import ModelConfig
+    from mfsdp_launch.models import family
+
+    cfg = ModelConfig(name="hf", hf_config=dict(CONFIGS["llama"]), init_on_meta=True)
+    spec = family("hf").spec(cfg, seq_len=16)
+    with torch.device("meta"):
+        model = spec.build()
+    for m in model.modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            m.to_empty(device="cpu", recurse=False)
+            m.reset_parameters()
+    assert model.model.rotary_emb.inv_freq.is_meta
+    norms = [m.weight for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert norms and all(torch.equal(w, torch.ones_like(w)) for w in norms)
+    assert abs(model.model.layers[0].mlp.up_proj.weight.std().item() - 0.02) < 0.003  # HF's init, not kaiming
+    loss = spec.loss(model, _batch())
+    assert not model.model.rotary_emb.inv_freq.is_meta
+    reference = hf_model.build_hf_model(hf_model.resolve_hf_model(hf_config=CONFIGS["llama"]))
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.1

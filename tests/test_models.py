@@ -254,7 +254,7 @@ def test_largest_unit_params(cfg):
 def test_activation_checkpointing_shrinks_activations():
     cfg = gpt_cfg(preset="1.4b")
     full = activation_bytes(cfg, 4, 2048, 2)
-    ckpt = activation_bytes(gpt_cfg(preset="1.4b", activation_checkpointing=True), 4, 2048, 2)
+    ckpt = activation_bytes(gpt_cfg(preset="1.4b", activation_checkpointing="full"), 4, 2048, 2)
     assert 0 < ckpt < full / 3
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .choice import Choice
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from .dtypes import Dtype
 from .fp8 import FP8Format, FP8Recipe
@@ -40,6 +40,14 @@ class CudaGraphMode(Choice):
 class OptimImpl(Choice):
     torch = "torch"
     te_fused = "te_fused"
+
+
+class ACMode(Choice):
+    """model.activation_checkpointing: which transformer blocks recompute their forward in backward."""
+
+    none = "none"
+    full = "full"  # every block
+    selective = "selective"  # every model.ac_every-th block
 
 
 class LauncherKind(Choice):
@@ -99,6 +107,14 @@ class FP8Config:
     skip: List[str] = field(default_factory=list)
 
 
+class ModelLoss(Choice):
+    """model=custom: how a batch becomes the loss (docs/models.md, "Batch contract")."""
+
+    auto = "auto"  # `model` when forward takes `labels`, else `cross_entropy`
+    cross_entropy = "cross_entropy"  # forward(input_ids) -> logits
+    model = "model"  # forward(input_ids, labels) -> scalar loss
+
+
 @dataclass
 class ModelConfig:
     name: str = "gpt"
@@ -123,7 +139,24 @@ class ModelConfig:
     freeze: List[str] = field(default_factory=list)
     # Dotted class names overriding the factory's FSDP unit modules.
     fsdp_unit_modules: List[str] = field(default_factory=list)
-    activation_checkpointing: bool = False
+    # none | full (every block) | selective (every ac_every-th block); models/checkpointing.py.
+    activation_checkpointing: ACMode = ACMode.none
+    ac_every: int = 2
+    # model=custom (models/custom.py): `pkg.module:function` building the nn.Module, its keyword
+    # arguments, an optional `pkg.module:fn(model)` initializing it, and the batch contract.
+    # kwargs/hf_config are `Any` (a mapping, checked by the family): a typed Dict field would be
+    # struct-locked by Hydra, refusing `model.kwargs={dim: 512}` as unknown keys.
+    target: Optional[str] = None
+    kwargs: Any = None
+    init_fn: Optional[str] = None
+    loss: ModelLoss = ModelLoss.auto
+    # model=hf (models/hf.py): a local HF directory, or a config dict plus the class name.
+    path: Optional[str] = None
+    hf_config: Any = None
+    hf_class: Optional[str] = None
+    pretrained: bool = False  # load model.path's safetensors into the sharded model
+    # gpt/te_gpt: start from a Llama-layout HF directory (dims from its config.json).
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -203,6 +236,8 @@ class LauncherConfig:
     account: Optional[str] = None
     time_limit: str = "04:00:00"
     gpus_per_node: Optional[int] = None
+    # Start even when the memory estimate (memory.py) exceeds the GPU's memory.
+    force_memory: bool = False
 
 
 @dataclass

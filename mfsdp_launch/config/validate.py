@@ -14,11 +14,12 @@ from ..errors import ConfigError
 from ..globs import check_globs_match
 from ..mesh import ParallelDims, world_size
 from ..models import ModelContext, family
+from ..models.family import check_family_keys
 from ..models.meta import meta_names, meta_names_isolated
 from . import machine
 from .dtypes import Dtype
 from .fp8 import FP8Recipe
-from .schema import CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
+from .schema import ACMode, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
 from .sharding import ZeroStrategy, check_sharding
 
 
@@ -39,6 +40,7 @@ def validate(cfg, *, check_hardware: bool = True) -> List[str]:
     if check_hardware and cfg.launcher.kind == LauncherKind.torchrun:
         machine.check_installs(cfg, probe=True)
         machine.check_gpus(cfg)
+        warnings += _check_memory(cfg, dims)
     else:
         # A dry run or an sbatch script is prepared on a machine that need not run it.
         try:
@@ -140,10 +142,14 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     m, fam = cfg.model, family(cfg.model.name)
     ctx = ModelContext(tp=dims.tp, cp=dims.cp, seq_len=cfg.train.seq_len,
                        micro_batch_size=cfg.train.micro_batch_size, fp8_recipe=str(cfg.fp8.recipe),
-                       fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name))
+                       fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name), engine=caps.name)
+    check_family_keys(m, fam.name)
     warnings = fam.check(m, ctx)
-    if dims.tp > 1 or dims.cp > 1:
-        key = "mesh.tp" if dims.tp > 1 else "mesh.cp"
+    _check_activation_checkpointing(m, fam)
+    if dims.tp > 1:
+        _check_tp(fam, caps)
+    if dims.cp > 1:
+        key = "mesh.cp"
         if not caps.model_parallel:
             raise ConfigError(key, f"engine={caps.name} shards over the data-parallel dims only",
                               f"1 with engine={caps.name}, or engine=megatron_fsdp")
@@ -154,9 +160,43 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
         raise ConfigError("mesh.tp", f"{dims.tp} does not divide the {heads} attention heads of model={fam.name}")
     if cfg.train.seq_len % dims.cp:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.cp={dims.cp}")
-    if m.freeze or cfg.fp8.skip:
+    if (m.freeze or cfg.fp8.skip) and not fam.measured:
         _check_name_globs(cfg, fam)
     return warnings
+
+
+def _check_memory(cfg, dims: ParallelDims) -> List[str]:
+    """The dry run's estimate against the GPU's memory (memory.py), GPU runs only."""
+    from ..memory import check_fits, estimate, gpu_memory_bytes
+
+    if cfg.engine.backend == "gloo":
+        return []
+    msg = check_fits(estimate(cfg, dims).total, gpu_memory_bytes(), force=cfg.launcher.force_memory)
+    return [msg] if msg else []
+
+
+def _check_tp(fam, caps: EngineCaps) -> None:
+    """tp > 1: the engine's own TP mesh with a family that replicates over it (the seed's toys on
+    Megatron-FSDP), or DTensor TP parameters (models/parallelize.py) under an engine that shards them."""
+    dtensor_tp = fam.dtensor_tp
+    if (caps.model_parallel and fam.model_parallel) or (caps.dtensor_tp and dtensor_tp):
+        return
+    if dtensor_tp:
+        raise ConfigError("mesh.tp", f"engine={caps.name} with DTensor tensor-parallel parameters is untested "
+                          f"(GPU-only); model={fam.name} has tensor parallelism under engine=fsdp2",
+                          "1, or engine=fsdp2")
+    if not (caps.model_parallel or caps.dtensor_tp):
+        raise ConfigError("mesh.tp", f"engine={caps.name} shards over the data-parallel dims only",
+                          f"1 with engine={caps.name}, or engine=megatron_fsdp")
+    raise ConfigError("mesh.tp", f"model={fam.name} has no tensor parallelism under engine={caps.name} yet", "1")
+
+
+def _check_activation_checkpointing(m, fam) -> None:
+    if m.ac_every < 1:
+        raise ConfigError("model.ac_every", f"must be >= 1, got {m.ac_every}", "N: checkpoint every N-th block")
+    if m.activation_checkpointing != ACMode.none and not fam.activation_checkpointing:
+        raise ConfigError("model.activation_checkpointing", f"{m.activation_checkpointing}: model={fam.name} has "
+                          "no transformer blocks to checkpoint", "none")
 
 
 def _check_name_globs(cfg, fam) -> None:

@@ -25,6 +25,8 @@ class EngineCaps:
     cuda_graph: bool  # full-iteration CUDA graphs
     default_mesh: bool  # mesh.enabled=false: the engine builds its own
     main_params_dtypes: FrozenSet = frozenset({None, *Dtype})
+    # Shards models whose parameters are DTensors on the mesh's tp dim (models/parallelize.py).
+    dtensor_tp: bool = False
     why_not: str = ""  # appended to refusals: what to use instead
 
 
@@ -44,6 +46,7 @@ ENGINES: Dict[str, EngineCaps] = {
             outer=frozenset({OuterStrategy.no_shard}), model_parallel=False, fp8_params=False,
             te_fused_optim=False, cuda_graph=False, default_mesh=False,
             main_params_dtypes=frozenset({None, *WIDE_DTYPES}), why_not="use engine=megatron_fsdp",
+            dtensor_tp=True,  # a 2-D mesh: FSDP over dp, DTensor TP over tp (no cp)
         ),
     )
 }

@@ -3,10 +3,15 @@
 ZeRO mapping: optim_grads_params = reshard after forward; optim_grads = keep the unsharded
 params from forward to backward; no_shard = replicate (HSDP with shard size 1). ZeRO-1 and
 HFSDP are refused by validation: FSDP2 cannot express them.
+
+With mesh.tp > 1 the model arrives with DTensor parameters on the mesh's tp dim
+(models/parallelize.py); FSDP2 shards them over the dp dims, a 2-D (dp, tp) layout, as torchtitan.
+DCP saves them in their global shapes, so a checkpoint resumes at any other tp.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict
 
 import torch
@@ -14,7 +19,7 @@ import torch
 from ..config.sharding import ZeroStrategy
 from ..mesh import replicate_mesh
 from ..precision import torch_dtype
-from .base import Engine
+from .base import Engine, local_tensor
 
 
 class FSDP2Engine(Engine):
@@ -60,6 +65,26 @@ class FSDP2Engine(Engine):
     def set_grad_sync(self, model, sync: bool) -> None:
         model.set_requires_gradient_sync(sync)
 
+    def clip_grad_norm(self, model, max_norm):
+        if self.dims.tp == 1:
+            return super().clip_grad_norm(model, max_norm)
+        # 2-D (dp, tp) and 1-D (dp) gradients side by side: weight each rank's local squares by
+        # (distinct shards / world), so one all-reduce over all ranks counts every element once.
+        import torch.distributed as dist
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        world = dist.get_world_size()
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in params:
+            sq += local_tensor(p.grad).float().pow(2).sum() * (_distinct_shards(p.grad) / world)
+        dist.all_reduce(sq)
+        total = sq.sqrt()
+        if max_norm is not None:
+            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for p in params:
+                local_tensor(p.grad).mul_(scale.to(local_tensor(p.grad).dtype))
+        return total
+
     def grad_norm_group(self):
         if ZeroStrategy(self.sharding_cfg.zero_dp_strategy) is ZeroStrategy.no_shard or self.dims.dp_shard == 1:
             return None
@@ -79,3 +104,11 @@ class FSDP2Engine(Engine):
         set_model_state_dict(model, state["model"])
         if optimizer is not None and "optimizer" in state:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _distinct_shards(t) -> int:
+    """How many different pieces a (DTensor) gradient is split into over its mesh (FSDP2 puts
+    _StridedShard, which is not `is_shard()`, on dp when tp shards the same dim)."""
+    placements = getattr(t, "placements", ())
+    mesh = getattr(t, "device_mesh", None)
+    return math.prod(mesh.size(i) for i, p in enumerate(placements) if not p.is_replicate()) if mesh is not None else 1

@@ -179,3 +179,87 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+# ------------------------------------------------------------------- mfsdp-export --format hf
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export_checkpoint(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Optional[str] = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Dict[str, Any]:
+    """`mfsdp-export CKPT OUT_DIR --format hf`: a committed `gpt`/`te_gpt` checkpoint as a Llama
+    directory, or a `model=hf` one with its own keys and config. The dims come from the run's
+    config in the checkpoint manifest. `dtype`: fp32|bf16|fp16, None keeps the saved dtype.
+
+    Returns write_hf_dir's dict plus "step", "source", "format", "tensors", "params", "bytes".
+    """
+    import torch
+
+    from ..export import read_model_state
+
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise ConfigError("OUT", f"{out} exists and is not a directory; --format hf writes a directory")
+    state, found = read_model_state(ckpt)
+    model_cfg = _run_model_config(found)
+    name = str(model_cfg.name)
+    torch_dtype = getattr(torch, TORCH_DTYPES[dtype]) if dtype else None
+    meta = {"step": str(found.step), "source": str(found.path)}
+    if name in llama_keys.MODELS:
+        from ..models.llama_dims import resolve_gpt_dims
+
+        seq_len = int((found.manifest.get("config") or {}).get("train", {}).get("seq_len", 0))
+        info = export_gpt_state(state, out, dims=resolve_gpt_dims(model_cfg), model=name, dtype=torch_dtype,
+                                max_shard_bytes=max_shard_bytes, metadata=meta,
+                                max_position_embeddings=max(4096, seq_len))
+    elif name == "hf":
+        info = export_hf_state(state, out, hf_config=_hf_config_dict(model_cfg), dtype=torch_dtype,
+                               max_shard_bytes=max_shard_bytes, metadata=meta)
+        if model_cfg.path:
+            info["copied"] = copy_side_files(model_cfg.path, out)
+    else:
+        raise ConfigError("--format", f"hf needs a checkpoint of model=gpt, te_gpt or hf; {found.path} is "
+                          f"model={name}", "safetensors|torch")
+    return dict(info, step=found.step, source=str(found.path), format="hf")
+
+
+# Files of an HF directory that are not weights or config.json, copied with a model=hf export so
+# that the result loads with its tokenizer (AutoTokenizer) and generation defaults.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+
+
+def copy_side_files(src_dir: str | os.PathLike, out: Path) -> List[str]:
+    src = Path(src_dir).expanduser()
+    copied = []
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            data = (src / name).read_bytes()
+            atomic_write(out / name, lambda f, d=data: f.write(d), mode=FILE_MODE)
+            copied.append(name)
+    return copied
+
+
+def _run_model_config(found):
+    """The run's `model` section from the checkpoint manifest, as a ModelConfig."""
+    from ..config.schema import ModelConfig
+
+    section = (found.manifest.get("config") or {}).get("model")
+    if not isinstance(section, dict):
+        raise ConfigError("CKPT_DIR", f"{found.path}'s manifest has no run config; --format hf needs the dims")
+    base = ModelConfig()
+    for key, value in section.items():
+        if hasattr(base, key):
+            setattr(base, key, value)
+    return base
+
+
+def _hf_config_dict(m) -> Dict[str, Any]:
+    from .hf_model import resolve_hf_model
+
+    src = resolve_hf_model(path=m.path, hf_config=m.hf_config or None, hf_class=m.hf_class)
+    config = src.config.to_dict()
+    config["architectures"] = [src.class_name]
+    config["use_cache"] = True  # the run turned the KV cache off for training; inference wants it
+    return config

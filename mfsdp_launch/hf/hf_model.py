@@ -175,28 +175,80 @@ def init_hf_weights(model: "nn.Module") -> None:
             model.tie_weights()
 
 
+def _rope_parameters(m, device) -> tuple:
+    """(inv_freq, attention_scaling) of a rotary embedding module, computed from its config."""
+    fn = getattr(m, "rope_init_fn", None)  # transformers 4.x
+    if fn is None:  # 5.x
+        rope_type = getattr(m, "rope_type", "default")
+        if rope_type == "default":
+            fn = m.compute_default_rope_parameters
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            fn = ROPE_INIT_FUNCTIONS[rope_type]
+    return fn(m.config, device=device)
+
+
+def _rope_modules(model: "nn.Module"):
+    import torch
+
+    for m in model.modules():
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor) and hasattr(m, "config"):
+            yield m
+
+
 def reset_rope_buffers(model: "nn.Module") -> None:
     """Recompute each rotary embedding's inv_freq (and original_inv_freq) from its config."""
     import torch
 
-    for m in model.modules():
-        inv = getattr(m, "inv_freq", None)
-        if not isinstance(inv, torch.Tensor) or inv.is_meta or not hasattr(m, "config"):
+    for m in _rope_modules(model):
+        inv = m.inv_freq
+        if inv.is_meta:
             continue
-        fn = getattr(m, "rope_init_fn", None)  # transformers 4.x
-        if fn is None:  # 5.x
-            rope_type = getattr(m, "rope_type", "default")
-            if rope_type == "default":
-                fn = m.compute_default_rope_parameters
-            else:
-                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-                fn = ROPE_INIT_FUNCTIONS[rope_type]
-        fresh, scaling = fn(m.config, device=inv.device)
+        fresh, scaling = _rope_parameters(m, inv.device)
         inv.copy_(fresh)
         if isinstance(getattr(m, "original_inv_freq", None), torch.Tensor):
             m.original_inv_freq.copy_(fresh)
         m.attention_scaling = scaling
+
+
+def support_module_init(model: "nn.Module") -> None:
+    """Make a meta-device build initializable module by module, as Megatron-FSDP's meta init does
+    it: it materializes each module that owns parameters and calls its `reset_parameters()`,
+    which HF norms lack, and never materializes parameter-less modules' buffers. So every such
+    module gets a `reset_parameters` running the model's own `_init_weights`, and each RoPE
+    module computes its `inv_freq` on the input's device at its first forward if it is still on
+    the meta device. (FSDP2's path, `init_hf_weights` on the whole model, does not need this.)"""
+    import functools
+
+    for m in model.modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            m.reset_parameters = functools.partial(_init_one, model, m)
+    for m in _rope_modules(model):
+        m.register_forward_pre_hook(_materialize_rope)
+
+
+def _init_one(model: "nn.Module", module: "nn.Module") -> None:
+    import torch
+
+    with torch.no_grad():
+        module._is_hf_initialized = False
+        for t in module.parameters(recurse=False):
+            t._is_hf_initialized = False
+        model._init_weights(module)
+
+
+def _materialize_rope(module: "nn.Module", args) -> None:
+    import torch
+
+    if not module.inv_freq.is_meta:
+        return
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    fresh, scaling = _rope_parameters(module, device)
+    module.register_buffer("inv_freq", fresh, persistent=False)
+    if isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
+        module.register_buffer("original_inv_freq", fresh.clone(), persistent=False)
+    module.attention_scaling = scaling
 
 
 def hf_logits(model: "nn.Module", input_ids: "torch.Tensor") -> "torch.Tensor":

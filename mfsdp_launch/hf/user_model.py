@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
+from ..config.schema import ModelLoss
 from ..errors import ConfigError
 from ..models.llama_dims import lm_flops_per_token
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-LOSS_MODES = ("auto", "cross_entropy", "model")
+LOSS_MODES = tuple(mode.value for mode in ModelLoss)
 
 
 # ------------------------------------------------------------------------------- resolution
@@ -197,6 +198,7 @@ def resolve_unit_classes(names: Iterable[str], model: Optional["nn.Module"] = No
 
 def resolve_loss_mode(model: "nn.Module", mode: str = "auto") -> str:
     """`model.loss` -> "cross_entropy" or "model" (auto: "model" iff forward takes `labels`)."""
+    mode = str(mode)
     if mode not in LOSS_MODES:
         raise ConfigError("model.loss", f"unknown loss {mode!r}", LOSS_MODES)
     if mode != "auto":

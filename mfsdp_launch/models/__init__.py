@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 from ..errors import ConfigError
-from . import gpt, te_gpt, toys
+from . import custom, gpt, hf, te_gpt, toys
 from .family import ModelContext, ModelFamily, ModelSpec
 
-FAMILIES: Dict[str, ModelFamily] = {f.name: f for f in (gpt.FAMILY, te_gpt.FAMILY, *toys.FAMILIES)}
+FAMILIES: Dict[str, ModelFamily] = {f.name: f for f in (gpt.FAMILY, te_gpt.FAMILY, *toys.FAMILIES,
+                                                        custom.FAMILY, hf.FAMILY)}
 
 
 def names() -> Tuple[str, ...]:

@@ -30,6 +30,7 @@ class ModelContext:
     fp8_recipe: str = "none"
     fp8_skip: Sequence[str] = ()
     data_name: str = "synthetic"
+    engine: str = ""  # engine.name ("" when the caller does not say)
 
 
 @dataclass
@@ -64,6 +65,11 @@ class ModelFamily:
     # TP/CP group sees the same batch), so they accept them.
     model_parallel = False
     attention = True  # has attention heads that tp must divide
+    # Its numbers come from a meta-device build in a short-lived process (models/custom.py, hf.py):
+    # unit sizes are measured, and name globs were checked there.
+    measured = False
+    activation_checkpointing = False  # has blocks that model.activation_checkpointing can wrap
+    dtensor_tp = False  # tensor parallel through DTensor (models/parallelize.py)
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         """Refuse (ConfigError) what this family cannot run; return warnings."""
@@ -101,6 +107,29 @@ class ModelFamily:
     def spec(self, m, seq_len: int) -> ModelSpec:
         """Build the ModelSpec (imports torch)."""
         raise NotImplementedError
+
+    def load_weights(self, m, model: "nn.Module", engine) -> None:
+        """Fill the sharded, initialized model with weights from outside (pretrained / init_from),
+        before the optimizer exists; a checkpoint resume overwrites them afterwards. A collective."""
+
+
+# model.* keys that only some families read, with their unset value. Set for another family a
+# key would do nothing, so `check_family_keys` refuses it.
+FAMILY_KEYS = (
+    ("target", None, ("custom",)), ("kwargs", None, ("custom",)), ("init_fn", None, ("custom",)),
+    ("loss", "auto", ("custom",)), ("path", None, ("hf",)), ("hf_config", None, ("hf",)),
+    ("hf_class", None, ("hf",)), ("pretrained", False, ("hf",)), ("init_from", None, ("gpt", "te_gpt")),
+)
+
+
+def check_family_keys(m, name: str) -> None:
+    """ConfigError for the first FAMILY_KEYS key set (not its unset value) that `name` ignores."""
+    for key, unset, owners in FAMILY_KEYS:
+        value = getattr(m, key, unset)
+        empty = value is None or value == unset or (not isinstance(value, str) and hasattr(value, "__len__")
+                                                     and len(value) == 0)
+        if name not in owners and not empty:
+            raise ConfigError(f"model.{key}", f"model={name} does not use it", "model=" + "|".join(owners))
 
 
 def resolve_unit_modules(names: Sequence[str]) -> tuple:

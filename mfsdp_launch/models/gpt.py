@@ -4,19 +4,77 @@ from __future__ import annotations
 
 from typing import List
 
+from ..errors import ConfigError
 from . import llama_dims as L
 from .family import ModelContext, ModelFamily, ModelSpec, find_module, lm_loss
 
 
 class GPTFamily(ModelFamily):
     name = "gpt"
+    # model.activation_checkpointing wraps each Block / TE TransformerLayer (models/checkpointing.py).
+    activation_checkpointing = True
+
+    @property
+    def dtensor_tp(self) -> bool:
+        """mesh.tp through DTensor (models/parallelize.py): the torch GPT only; te_gpt's TE layers
+        would need TE's own tp_group/sequence_parallel, not wired yet."""
+        return not self.has_te_layers
 
     def dims(self, m) -> L.GPTDims:
         return L.resolve_gpt_dims(m)
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        self.dims(m)  # every dimension rule, with the key that breaks it
+        d = self.dims(m)  # every dimension rule, with the key that breaks it
+        self.check_init_from(m)
+        # (tp dividing n_heads is validation's generic rule for every family with attention)
+        if ctx.tp > 1 and d.n_kv_heads % ctx.tp:
+            raise ConfigError("mesh.tp", f"{ctx.tp} does not divide the {d.n_kv_heads} key/value heads of "
+                              f"model={self.name} (model.n_kv_heads)", "a divisor of model.n_kv_heads")
+        if ctx.tp > 1 and d.ffn_dim % ctx.tp:
+            raise ConfigError("mesh.tp", f"{ctx.tp} does not divide model.ffn_dim={d.ffn_dim}")
         return []
+
+    # --- model.init_from: a Llama-layout HF directory (hf/config.py, hf/load.py) -----------------
+
+    def resolve(self, m, compute_dtype) -> None:
+        """Dims left unset (and norm_eps/rope_theta at their defaults) come from init_from's config.json."""
+        if not m.init_from:
+            return
+        from ..config.schema import ModelConfig
+        from ..hf.config import DIMS_TO_LLAMA, read_llama_dims
+
+        hf, defaults = read_llama_dims(m.init_from, key="model.init_from"), ModelConfig()
+        for field, _ in DIMS_TO_LLAMA:
+            value = getattr(m, field)
+            if value is None or (getattr(defaults, field) is not None and value == getattr(defaults, field)):
+                setattr(m, field, getattr(hf, field))
+
+    def check_init_from(self, m) -> None:
+        if not m.init_from:
+            return
+        from pathlib import Path
+
+        from ..hf.config import CONFIG_FILE, check_dims_match, read_llama_dims
+        from ..hf.export import INDEX_FILE, SINGLE_FILE
+
+        source = str(Path(m.init_from).expanduser() / CONFIG_FILE)
+        check_dims_match(self.dims(m), read_llama_dims(m.init_from, key="model.init_from"), source=source)
+        d = Path(m.init_from).expanduser()
+        if not ((d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()):
+            raise ConfigError("model.init_from", f"{d} has no {SINGLE_FILE} or {INDEX_FILE}")
+
+    def load_weights(self, m, model, engine) -> None:
+        if not m.init_from:
+            return
+        import torch.distributed as dist
+
+        from ..hf import llama_keys
+        from ..hf.load import describe, load_into_model
+
+        report = load_into_model(model, m.init_from, engine=engine, key="model.init_from",
+                                 sources=llama_keys.sources(self.dims(m), self.name))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"model.init_from: {describe(report)} (rank 0) from {m.init_from}", flush=True)
 
     def n_heads(self, m) -> int:
         return self.dims(m).n_heads
@@ -33,9 +91,9 @@ class GPTFamily(ModelFamily):
     def flops_per_token(self, m, seq_len: int) -> float:
         return L.flops_per_token(self.dims(m), seq_len)
 
-    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
+    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> int:
         return L.activation_bytes(self.dims(m), micro_batch_size, seq_len, bytes_per_el,
-                                  bool(m.activation_checkpointing))
+                                  str(m.activation_checkpointing), m.ac_every, tp)
 
     def largest_unit_params(self, m) -> int:
         # Units: each Block; the root holds the embedding, final norm and head.

@@ -161,17 +161,27 @@ def flops_per_token(d: GPTDims, seq_len: int) -> float:
 
 
 def activation_bytes(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
-                     activation_checkpointing: bool) -> int:
+                     activation_checkpointing: str = "none", ac_every: int = 1, tp: int = 1) -> int:
     """Rough bytes of activations one rank keeps for backward, one micro-batch.
 
     Per token and layer (flash attention, no dropout): attention 4d + 2kv (norm in/out, q/k/v,
     output), SwiGLU 2d + 3f; plus the embedding output, the final norm and the logits (V in the
-    compute dtype plus their fp32 copy for the loss). With activation checkpointing of each block
-    only the block inputs stay, plus one block's full set during its recompute. A lower bound.
+    compute dtype plus their fp32 copy for the loss). Tensor parallelism (no sequence parallelism)
+    splits q/k/v, the attention output and the SwiGLU intermediates over `tp`; the norms' inputs
+    and outputs (4d) stay whole on every rank. A checkpointed block keeps only its input (d), plus
+    one block's full set while it recomputes. `activation_checkpointing`: none | full | selective
+    (every `ac_every`-th block checkpointed, models/checkpointing.py). A lower bound.
     """
     tokens = micro_batch_size * seq_len
-    per_layer = 6 * d.dim + 2 * d.kv_dim + 3 * d.ffn_dim
-    layers = d.n_layers * d.dim + per_layer if activation_checkpointing else d.n_layers * per_layer
+    per_layer = 4 * d.dim + (2 * d.dim + 2 * d.kv_dim + 3 * d.ffn_dim) / tp
+    mode = str(activation_checkpointing)
+    if mode == "full":
+        n_ckpt = d.n_layers
+    elif mode == "selective":
+        n_ckpt = len(range(0, d.n_layers, max(ac_every, 1)))
+    else:
+        n_ckpt = 0
+    layers = n_ckpt * d.dim + (d.n_layers - n_ckpt) * per_layer + (per_layer if n_ckpt else 0)
     elements = tokens * (layers + 3 * d.dim)
     logits = tokens * d.vocab_size * (bytes_per_el + 4)
     return int(elements * bytes_per_el + logits)

@@ -18,11 +18,13 @@ class TEGPTFamily(GPTFamily):
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)
+        self.check_init_from(m)
         if ctx.fp8_recipe != "none":
             _check_fp8_shapes(d, ctx)
         return []
 
     def resolve(self, m, compute_dtype) -> None:
+        super().resolve(m, compute_dtype)  # model.init_from's dims
         # TE layers compute in their parameters' dtype (FP8 weights keep it as the high-precision copy).
         if m.params_dtype is None:
             m.params_dtype = compute_dtype
