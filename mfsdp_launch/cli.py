@@ -5,16 +5,18 @@ runs answer fast."""
 from __future__ import annotations
 
 import os
+import re
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from . import exit_codes
 from .console import eprint
 from .errors import ConfigError
 from .launch import check, run_checked
 
 
 HELP = """\
-usage: mfsdp-train [+recipe=NAME] [key=value ...] [-m key=a,b ...]
+usage: mfsdp-train [+recipe=NAME] [key=value ...] [-m key=a,b ...] [--cfg] [--config-dir DIR]
 
 Compose a training config (Hydra groups + recipes + overrides), validate it, and launch it
 with torchrun. Examples:
@@ -22,6 +24,7 @@ with torchrun. Examples:
   mfsdp-train +recipe=hfsdp_fp8 mesh.dp_shard=8 train.steps=2000
   mfsdp-train +recipe=cpu_smoke launcher.dry_run=true    print mesh, ranks, memory; run nothing
   mfsdp-train -m +recipe=cpu_smoke optim.lr=1e-3,3e-3    a sweep: one torchrun job per point
+  mfsdp-train --config-dir ~/my_configs +recipe=mine     your own recipes in ~/my_configs/recipe/
 
 config groups: engine=fsdp2|megatron_fsdp  model=gpt|te_gpt|toy_cnn|toy_transformer|
   te_toy_transformer  data=synthetic|text  launcher=torchrun|slurm  +recipe=<name>
@@ -29,9 +32,23 @@ main keys: mesh.{dp_outer,dp_shard,cp,tp}  sharding.{zero_dp_strategy,outer_dp_s
   precision.{compute_dtype,main_params_dtype,main_grads_dtype,grad_comm_dtype}  fp8.recipe
   train.{steps,micro_batch_size,grad_accum_steps,seq_len,compile,...}  optim.*  checkpoint.*
   run.{name,dir}  launcher.{nproc_per_node,nnodes,node_rank,rdzv_endpoint,dry_run}
-Show every key and its value: mfsdp-train <overrides> launcher.dry_run=true --cfg
-Exit codes: 0 done, 2 bad config (one line naming the key), other: the training job failed.
+options:
+  --cfg             print the composed config (every key and its value) and exit
+  --config-dir DIR  also look for config groups and recipes in DIR (DIR/recipe/NAME.yaml is
+                    +recipe=NAME); same as hydra.searchpath=[file://DIR]
+  --version         print the version and exit
+run.dir holds logs/ (the launcher's log, each rank's stdout/stderr), run.lock while a run owns
+it, config.yaml, metrics.jsonl and checkpoints/. Ctrl-C or SIGTERM: finish the step, save, stop.
 """
+
+USAGE_HINT = """\
+mfsdp-train: nothing to train: give a recipe or overrides, e.g.
+  mfsdp-train +recipe=cpu_smoke                        a tiny GPT on CPU, 2 processes
+  mfsdp-train +recipe=cpu_smoke launcher.dry_run=true  show the mesh and memory, run nothing
+  mfsdp-train --help                                   every option and the exit codes
+"""
+
+FLAGS = ("-h", "--help", "--version", "--cfg", "-c", "--config-dir", "-cd", "-m", "--multirun")
 
 
 def in_worker_env() -> bool:
@@ -42,31 +59,133 @@ def in_worker_env() -> bool:
         os.environ.get("MFSDP_LAUNCHER") is None
 
 
+def version() -> str:
+    from . import __version__
+
+    return f"mfsdp-launch {__version__}"
+
+
+# --- the command line before Hydra sees it --------------------------------------------------------
+
+
+def quote_home(arg: str) -> str:
+    """`key=~/x` -> `key='~/x'`: Hydra's override grammar has no bare `~` in a value."""
+    m = re.match(r"^([+~]{0,2}[\w./@-]+)=(~.*)$", arg)
+    if not m or any(c in m.group(2) for c in "'\"[]{},"):
+        return arg
+    return f"{m.group(1)}='{m.group(2)}'"
+
+
+def take_options(argv: List[str]) -> Tuple[List[str], dict]:
+    """Split our options (--cfg [job], --config-dir DIR) from the overrides; ConfigError for an
+    unknown --option."""
+    overrides, opts, config_dirs = [], {"cfg": False}, []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--cfg", "-c") or a.startswith("--cfg="):
+            opts["cfg"] = True
+            if a in ("--cfg", "-c") and i + 1 < len(argv) and argv[i + 1] in ("job", "all", "hydra"):
+                i += 1  # Hydra's spelling: --cfg job
+        elif a in ("--config-dir", "-cd") or a.startswith("--config-dir="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in a else 1
+            if not value:
+                raise ConfigError("--config-dir", "needs a directory", "--config-dir DIR")
+            config_dirs.append(value)
+        elif a.startswith("-") and a not in ("-m", "--multirun"):
+            raise ConfigError(a, "unknown option", "|".join(f for f in FLAGS if f.startswith("--")) +
+                              " and key=value overrides")
+        else:
+            overrides.append(quote_home(a))
+        i += 1
+    if config_dirs:
+        overrides = add_search_path(overrides, config_dirs)
+    return overrides, opts
+
+
+def add_search_path(overrides: List[str], dirs: List[str]) -> List[str]:
+    """`--config-dir DIR` as Hydra's `hydra.searchpath=[file://DIR]` (added to one given)."""
+    entries = []
+    for d in dirs:
+        path = os.path.abspath(os.path.expanduser(d))
+        if not os.path.isdir(path):
+            raise ConfigError("--config-dir", f"{path} is not a directory", "a folder holding config groups, "
+                              "e.g. DIR/recipe/NAME.yaml")
+        entries.append(f"file://{path}")
+    out, merged = [], False
+    for o in overrides:
+        m = re.match(r"^(hydra\.searchpath)=\[(.*)\]$", o)
+        if m:
+            existing = [e for e in m.group(2).split(",") if e.strip()]
+            o = f"hydra.searchpath=[{','.join(existing + entries)}]"
+            merged = True
+        out.append(o)
+    if not merged:
+        out.append(f"hydra.searchpath=[{','.join(entries)}]")
+    return out
+
+
+def explain(exc: ConfigError) -> ConfigError:
+    """A YAML syntax error in a config file: name the file and line instead of the parser's
+    first words (the original error is the ConfigError's context)."""
+    e: Optional[BaseException] = exc
+    seen = []
+    while e is not None and e not in seen:
+        seen.append(e)
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None and getattr(mark, "name", None):
+            problem = getattr(e, "problem", None) or "invalid YAML"
+            context = getattr(e, "context", None)
+            return ConfigError(f"{mark.name}:{mark.line + 1}:{mark.column + 1}",
+                               f"YAML error: {problem}" + (f" ({context})" if context else ""))
+        e = e.__cause__ or e.__context__
+    return exc
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(HELP, end="")
-        return 0
-    if any(a in ("-m", "--multirun") for a in argv):
+        print(HELP + exit_codes.help_text(), end="")
+        return exit_codes.OK
+    if "--version" in argv:
+        print(version())
+        return exit_codes.OK
+    if not argv:
+        eprint(USAGE_HINT.rstrip("\n"))
+        return exit_codes.CONFIG
+    try:
+        overrides, opts = take_options(argv)
+    except ConfigError as exc:
+        eprint(f"mfsdp-train: error: {exc}")
+        return exit_codes.CONFIG
+    if any(a in ("-m", "--multirun") for a in overrides):
         from .sweep import run_sweep
 
-        return run_sweep(argv)
-    show_cfg = "--cfg" in argv
-    overrides = [a for a in argv if a != "--cfg"]
+        if opts["cfg"]:
+            eprint("mfsdp-train: error: --cfg: not supported with -m/--multirun "
+                   "(allowed: key=value overrides; launcher.dry_run=true shows each job)")
+            return exit_codes.CONFIG
+
+        return run_sweep(overrides)
     try:
         from .config.compose import compose
 
         cfg = compose(overrides)
+        if opts["cfg"]:
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(cfg), end="")  # as Hydra's --cfg: show it, run nothing
+            return exit_codes.OK
         if in_worker_env():
             from .worker import run_as_external_worker
 
             return run_as_external_worker(cfg, overrides)
         warnings = check(cfg)
+        return run_checked(cfg, warnings, overrides)
     except ConfigError as exc:
-        eprint(f"mfsdp-train: error: {exc}")
-        return 2
-    if show_cfg:
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(cfg), end="")
-    return run_checked(cfg, warnings, overrides)
+        eprint(f"mfsdp-train: error: {explain(exc)}")
+        return exit_codes.CONFIG

@@ -1,32 +1,48 @@
-"""Launch a composed config: validate it, freeze it into run.dir, then hand off to torchrun (or
-write an sbatch script). Shared by the CLI and by sweep jobs. Imports no torch."""
+"""Launch a composed config: validate it, take the run dir, freeze the config into it, then hand
+off to torchrun (or write an sbatch script). Shared by the CLI and by sweep jobs. Imports no torch.
+
+The exit code (`exit_codes`) is judged from what the run left on disk, and the run ends with one
+summary line (`runstate.summary_line`).
+"""
 
 from __future__ import annotations
 
 import os
 import shlex
-import signal
-import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
-from . import rundir
+from . import exit_codes, rundir
 from .console import eprint
+from .errors import ConfigError
+
+NCCL_TRACE_ENTRIES = "2000"  # flight recorder ring size per process group (PyTorch's suggested size)
 
 
 def check(cfg) -> List[str]:
     """Resolve and validate a composed config; returns its warnings, raises ConfigError."""
     from .config.resolve import resolve
     from .config.validate import validate
+    from .runlock import check_run_dir
 
     resolve(cfg)
 
     # A dry run is prepared on a machine that need not run it, and it resumes nothing.
+    if cfg.launcher.dry_run:
+        check_run_dir_text(cfg.run.dir)
+    else:
+        cfg.run.dir = str(check_run_dir(cfg.run.dir))
     warnings = validate(cfg, check_hardware=not cfg.launcher.dry_run)
     if not cfg.launcher.dry_run:
         _preflight(cfg)
     return warnings
+
+
+def check_run_dir_text(value) -> None:
+    if value is None or not str(value).strip():
+        raise ConfigError("run.dir", "is empty", "a directory path, e.g. run.dir=runs/my_run")
 
 
 def run_checked(cfg, warnings: List[str], overrides: List[str]) -> int:
@@ -35,7 +51,7 @@ def run_checked(cfg, warnings: List[str], overrides: List[str]) -> int:
         from .dryrun import render
 
         render(cfg, warnings)
-        return 0
+        return exit_codes.OK
     for w in warnings:
         eprint(f"mfsdp-train: warning: {w}")
     return launch(cfg, overrides)
@@ -58,20 +74,53 @@ def prepare_run_dir(cfg, overrides: List[str]) -> Path:
     return path
 
 
+def already_finished(cfg) -> Optional[str]:
+    """The one line saying there is nothing to train, when the checkpoint this run would resume
+    from is at or beyond train.steps; None when there is training to do."""
+    from .checkpoint import checkpoints_dir, plan_resume
+
+    plan = plan_resume(cfg.checkpoint, checkpoints_dir(cfg.run.dir))
+    if plan.kind != "resume" or plan.step is None or plan.step < cfg.train.steps:
+        return None
+    where = f"{plan.found.path}" if not plan.own else f"{plan.found.name}"
+    if plan.step == cfg.train.steps:
+        return (f"mfsdp-train: run.dir={cfg.run.dir} already finished: checkpoint {where} is at train.steps="
+                f"{cfg.train.steps}; nothing to do (raise train.steps to train on)")
+    return (f"mfsdp-train: run.dir={cfg.run.dir}: checkpoint {where} is at step {plan.step}, beyond "
+            f"train.steps={cfg.train.steps}; nothing to do (raise train.steps to train on, or "
+            "checkpoint.load_step=N to go back)")
+
+
+def rank_module() -> str:
+    return "mfsdp_launch.rank"
+
+
 def torchrun_command(launcher_cfg, config_path: Path) -> List[str]:
     lc = launcher_cfg
+    run_dir = Path(config_path).parent
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={lc.nproc_per_node}"]
     if lc.nnodes == 1 and not lc.rdzv_endpoint:
         cmd.append("--standalone")  # c10d on a free port: nothing fixed, nothing to collide
     else:
-        rdzv_id = lc.rdzv_id or Path(config_path).parent.name
+        rdzv_id = lc.rdzv_id or run_dir.name
         cmd += [f"--nnodes={lc.nnodes}", f"--node-rank={lc.node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={lc.rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
-    cmd += [f"--max-restarts={lc.max_restarts}", "-m", "mfsdp_launch.worker", "--config", str(config_path)]
+    # Each rank's stdout/stderr into run.dir/logs and (prefixed, for the launcher) to the console.
+    cmd += [f"--log-dir={torchrun_log_dir(run_dir, lc.node_rank)}", "--tee=3"]
+    cmd += [f"--max-restarts={lc.max_restarts}", "-m", rank_module(), "--config", str(config_path)]
     return cmd
 
 
-def worker_env(launcher_cfg) -> dict:
+def torchrun_log_dir(run_dir: Path, node_rank: int) -> Path:
+    return Path(run_dir) / rundir.LOGS / f"node{node_rank}"
+
+
+def launcher_log(run_dir: Path, node_rank: int) -> Path:
+    name = rundir.LAUNCHER_LOG if not node_rank else rundir.LAUNCHER_LOG.replace(".log", f".node{node_rank}.log")
+    return Path(run_dir) / rundir.LOGS / name
+
+
+def worker_env(launcher_cfg, run_dir: Optional[Path] = None) -> dict:
     env = dict(os.environ)
     from .hardware import cpu_count
 
@@ -80,7 +129,46 @@ def worker_env(launcher_cfg) -> dict:
     env["MFSDP_LAUNCHER"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["PYTHONPATH"] = package_root() + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(diagnostics_env(run_dir))
     return env
+
+
+def diagnostics_env(run_dir: Optional[Path], environ=None, torch_version: Optional[str] = None) -> dict:
+    """The flight recorder on (the last collectives of every process group, dumped on a stall or
+    an NCCL timeout into run.dir/logs), unless the user set these variables. torch 2.8 renamed
+    TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE (and warns about the old names)."""
+    environ = os.environ if environ is None else environ
+    new_names = _torch_at_least(torch_version, (2, 8))
+    size_keys = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    file_keys = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    env = {}
+    if not any(k in environ for k in size_keys):
+        env[size_keys[0] if new_names else size_keys[1]] = NCCL_TRACE_ENTRIES
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ:
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if run_dir is not None:
+        env["MFSDP_RUN_DIR"] = str(run_dir)
+        if not any(k in environ for k in file_keys):
+            # torch appends the rank to this prefix
+            env[file_keys[0] if new_names else file_keys[1]] = str(
+                Path(run_dir) / rundir.LOGS / rundir.FLIGHT_RECORDER_TIMEOUT)
+    return env
+
+
+def _torch_at_least(version: Optional[str], wanted: tuple) -> bool:
+    """Compare the installed torch's version without importing torch."""
+    if version is None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            return True
+    parts = []
+    for p in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= wanted
 
 
 def package_root() -> str:
@@ -90,42 +178,66 @@ def package_root() -> str:
 
 
 def launch(cfg, overrides: List[str]) -> int:
-    config_path = prepare_run_dir(cfg, overrides)
-    run_dir = config_path.parent
-    if cfg.launcher.kind == "slurm":
-        from .slurm import write_and_maybe_submit
+    from .runlock import RunLock
 
-        return write_and_maybe_submit(cfg, config_path)
-    cmd = torchrun_command(cfg.launcher, config_path)
-    print(f"mfsdp-train: {cfg.launcher.nnodes}x{cfg.launcher.nproc_per_node} ranks, run.dir={run_dir}",
-          flush=True)
-    with open(run_dir / rundir.LAUNCH_CMD, "w") as f:
-        f.write(shlex.join(cmd) + "\n")
-    # Its own session: a Ctrl-C reaches only us; we turn it into a graceful stop request.
-    proc = subprocess.Popen(cmd, env=worker_env(cfg.launcher), start_new_session=True)
-    requests = {"n": 0}
+    run_dir = Path(cfg.run.dir).expanduser().resolve()
+    with RunLock(run_dir, node_rank=cfg.launcher.node_rank, command=_command_line()) as lock:
+        if cfg.launcher.kind != "slurm":
+            done = already_finished(cfg)
+            if done:
+                print(done, flush=True)
+                return exit_codes.OK
+        config_path = prepare_run_dir(cfg, overrides)
+        if cfg.launcher.kind == "slurm":
+            from .slurm import write_and_maybe_submit
 
-    def on_signal(signum, _frame):
-        requests["n"] += 1
-        if requests["n"] == 1:
-            (run_dir / rundir.STOP).touch()
-            eprint(f"mfsdp-train: {signal.Signals(signum).name}: finishing the step, saving a "
-                    "checkpoint and stopping (signal again to abort)")
-        else:
-            eprint("mfsdp-train: aborting")
-            os.killpg(proc.pid, signal.SIGTERM)
+            return write_and_maybe_submit(cfg, config_path)
+        return _run_torchrun(cfg, config_path, lock)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+def _command_line() -> str:
+    return shlex.join(["mfsdp-train", *sys.argv[1:]])[:300]
+
+
+def _run_torchrun(cfg, config_path: Path, lock) -> int:
+    from .runstate import ending, summary_line
+    from .supervise import Console, RankLogLinks, Supervisor, torchrun_env
+
+    run_dir, lc = config_path.parent, cfg.launcher
+    console = Console(launcher_log(run_dir, lc.node_rank))
     try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:  # pragma: no cover - handler above normally runs
-                continue
+        cmd = torchrun_command(lc, config_path)
+        console.out(f"mfsdp-train: {lc.nnodes}x{lc.nproc_per_node} ranks, run.dir={run_dir}")
+        with open(run_dir / rundir.LAUNCH_CMD, "w") as f:
+            f.write(shlex.join(cmd) + "\n")
+        console.log_only(f"mfsdp-train: {_command_line()}\ntorchrun: {shlex.join(cmd)}\n")
+        links = RankLogLinks(run_dir / rundir.LOGS, torchrun_log_dir(run_dir, lc.node_rank), lc.node_rank,
+                             lc.nproc_per_node)
+        t0 = time.monotonic()
+        result = Supervisor(cmd, torchrun_env(worker_env(lc, run_dir)), run_dir, console,
+                            pass_fds=(lock.fd,) if lock.fd is not None else (), rank_logs=links).run()
+        wall = time.monotonic() - t0
+        root = result.root
+        end = ending(run_dir, cfg.train.steps, result.rc, stop_requested=result.stop_requested,
+                     aborted=result.aborted, rank_exit_code=root.exit_code if root else None)
+        line = summary_line(end, cfg.train.steps, wall, run_dir, why=_why(end.code, result))
+        (console.out if end.code == exit_codes.OK else console.err)(line)
+        return end.code
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    if rc != 0:
-        eprint(f"mfsdp-train: training failed (torchrun exit code {rc}); logs above, run.dir={run_dir}")
-    return rc
+        console.close()
+
+
+def _why(code: int, result) -> Optional[str]:
+    """The cause shown in the summary line: the signal that stopped the run, or the failing rank."""
+    if code in (exit_codes.INTERRUPTED, exit_codes.ABORTED):
+        return ", ".join(dict.fromkeys(result.signals)) or None
+    if code in (exit_codes.FAILED, exit_codes.CONFIG):
+        root = result.root
+        if root is not None and root.rank is not None:
+            how = (f"killed by {root.signal_name}" if root.signal_name
+                   else f"exit code {root.exit_code}" if root.exit_code is not None else "failed")
+            return f"rank {root.rank} {how}" + ("" if root.signal_name else ", traceback above")
+        if result.torchrun_error:
+            return f"torchrun: {result.torchrun_error}"
+        return f"torchrun exit code {result.rc}"
+    return None

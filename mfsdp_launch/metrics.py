@@ -15,7 +15,6 @@ from . import rundir
 from .hardware import peak_tflops_for
 
 
-
 def device_peak_tflops(device: torch.device, configured: Optional[float]) -> tuple[Optional[float], str]:
     """(peak, where it came from). MFU is null rather than guessed when the device is unknown."""
     if configured:
@@ -36,12 +35,19 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    """Rank 0 writes metrics.jsonl, prints log lines and (optionally) TensorBoard scalars."""
+    """Rank 0 writes metrics.jsonl, prints log lines and (optionally) TensorBoard scalars and
+    W&B / MLflow rows (`logging_cfg`: the config's `logging` section; see trackers)."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = False, start_step: int = 0):
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = False, start_step: int = 0,
+                 logging_cfg=None):
         self.enabled = enabled
         self.path = Path(run_dir) / rundir.METRICS
         self._tb = None
+        self._trackers = None
+        if enabled and logging_cfg is not None:
+            from .trackers import open_trackers
+
+            self._trackers = open_trackers(logging_cfg, run_dir, resumed_step=start_step) or None
         if enabled:
             self._drop_rows_after(start_step)
             self._file = open(self.path, "a", buffering=1)
@@ -74,12 +80,17 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._file.write(json.dumps(row) + "\n")
+        if self._trackers is not None:
+            self._trackers.log(row)
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:
                     self._tb.add_scalar(k, v, row["step"])
 
     def close(self) -> None:
+        if self._trackers is not None:
+            self._trackers.close()
+            self._trackers = None
         if self.enabled:
             self._file.close()
             if self._tb is not None:

@@ -8,6 +8,7 @@ one PNG per metric, and summary.txt (also printed). matplotlib is the optional `
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -16,8 +17,9 @@ from typing import List, Optional, Tuple
 
 from . import rundir
 from .console import eprint
-from .sweep import (job_dirs_in, job_overrides, read_json, read_metrics,
-                    unescape_job_name, varying_overrides)
+from .runstate import read_metrics
+from .sweep import (ALREADY_FINISHED, job_dirs_in, job_overrides, read_json, unescape_job_name,
+                    varying_overrides)
 
 PANELS = (
     ("loss", "loss", "loss"),
@@ -157,12 +159,14 @@ def _num(values: List[float]) -> Optional[float]:
 def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str]) -> str:
     lines = []
     for run, rows, label in zip(runs, runs_rows, labels):
-        status = (read_json(run / rundir.JOB_STATUS) or {}).get("status")
+        status = _status(read_json(run / rundir.JOB_STATUS) or {})
         if not rows:
             lines.append(f"{label}: no metrics")
             continue
         last = rows[-1]
-        losses = [(r["loss"], r["step"]) for r in rows if isinstance(r.get("loss"), (int, float))]
+        # A diverged run's nan/inf rows are not its best loss (min() over nan is meaningless).
+        losses = [(r["loss"], r["step"]) for r in rows
+                  if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
         best = min(losses) if losses else None
         # The first logged interval includes start-up (compile, allocator warm-up): leave it out.
         steady = rows[1:] if len(rows) > 1 else rows
@@ -187,6 +191,13 @@ def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str
     if len(runs) > 1:
         header += f" under {os.path.commonpath([str(r) for r in runs])}"
     return header + "\n" + "\n".join("  " + line for line in lines) + "\n"
+
+
+def _status(job_status: dict) -> Optional[str]:
+    status = job_status.get("status")
+    if status == "skipped" or (status == "done" and job_status.get("already_finished")):
+        return f"done ({ALREADY_FINISHED})"
+    return status
 
 
 def main(argv: Optional[List[str]] = None) -> int:

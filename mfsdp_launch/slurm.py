@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import List, Optional
 
 from .atomic_io import atomic_write_text
-from . import rundir
+from . import exit_codes, rundir
 from .console import eprint
-from .launch import package_root
+from .launch import package_root, rank_module
+from .supervise import PREFIX_TEMPLATE
 
 DEFAULT_RDZV_PORT_BASE = 20000  # the port is derived from the job id: two jobs never share one
 
@@ -48,12 +49,34 @@ def gpus_per_node(cfg) -> Optional[int]:
     return lc.nproc_per_node
 
 
+PREEMPT_SIGNAL_LEAD_S = 120  # SLURM sends SIGUSR1 this long before the time limit (or a preemption)
+
+
 def sbatch_script(cfg, config_path: Path) -> str:
     """The text of the sbatch script for this frozen config."""
-    lc = cfg.launcher
     run_dir = Path(config_path).resolve().parent
-    q = shlex.quote
+    lines = [
+        "#!/bin/bash",
+        f"# Written by mfsdp-train for run {cfg.run.name!r}. Submit it with: sbatch {run_dir / rundir.SBATCH_SCRIPT}",
+        "# run.dir must be on a filesystem every node sees: the workers read its config.yaml and",
+        "# write checkpoints there. Re-submitting the script resumes from the newest checkpoint.",
+        "# SIGUSR1 (sent 120 s before the time limit) or SIGTERM: the ranks save a checkpoint and stop;",
+        "# after SIGUSR1 the job requeues itself and resumes. Exit codes: mfsdp-train --help.",
+        *[f"#SBATCH {d}" for d in _directives(cfg, run_dir)],
+        "",
+        "set -uo pipefail  # not -e: the training step's exit code is judged below",
+        f"cd {shlex.quote(os.getcwd())}",
+        *_environment(cfg, run_dir),
+        "",
+        *_lock(run_dir),
+        "",
+        *_run(cfg, config_path),
+    ]
+    return "\n".join(lines) + "\n"
 
+
+def _directives(cfg, run_dir: Path) -> List[str]:
+    lc = cfg.launcher
     directives = [
         f"--job-name={cfg.run.name}",
         f"--nodes={lc.nnodes}",
@@ -70,8 +93,61 @@ def sbatch_script(cfg, config_path: Path) -> str:
         directives.append(f"--time={lc.time_limit}")
     log = f"{run_dir}/slurm-%j.out"
     directives += [f'--output="{log}"' if any(c.isspace() for c in log) else f"--output={log}",
-                   "--open-mode=append"]
+                   "--open-mode=append",
+                   # B: the signal goes to this script only; it asks the ranks to stop (the STOP file).
+                   f"--signal=B:USR1@{PREEMPT_SIGNAL_LEAD_S}",
+                   "--requeue"]
+    return directives
 
+
+def _environment(cfg, run_dir: Path) -> List[str]:
+    from .launch import diagnostics_env
+
+    q = shlex.quote
+    nproc = cfg.launcher.nproc_per_node
+    lines = [
+        f'export PYTHONPATH={q(package_root())}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        "export MFSDP_LAUNCHER=1",
+        "export PYTHONUNBUFFERED=1",
+        f"RUN_DIR={q(str(run_dir))}",
+        "# The node's CPUs shared out among its ranks (torchrun would pin 1 thread each).",
+        f'THREADS=$(( ${{SLURM_CPUS_ON_NODE:-$(nproc)}} / {nproc} )); [ "$THREADS" -ge 1 ] || THREADS=1',
+        'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$THREADS}"',
+        f"export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(PREFIX_TEMPLATE)}",
+        "# Flight recorder on: the last collectives of each rank, dumped into $RUN_DIR/logs on a stall.",
+    ]
+    for key, value in diagnostics_env(run_dir, environ={}).items():
+        if value.startswith(str(run_dir)):
+            value = "$RUN_DIR" + value[len(str(run_dir)):]  # no quoting trouble with odd paths
+        lines.append(f'export {key}="{value}"' if key == "MFSDP_RUN_DIR" else f'export {key}="${{{key}:-{value}}}"')
+    return lines
+
+
+def _lock(run_dir: Path) -> List[str]:
+    """The job owns run.dir while it runs, as `mfsdp-train` does (runlock): flock on run.lock."""
+    busy = 75
+    return [
+        "# One owner per run dir: hold run.lock (flock) while the job runs.",
+        "if command -v flock >/dev/null; then",
+        f'  exec 9>>"$RUN_DIR/{rundir.LOCK}"',
+        f"  flock -n -E {busy} 9; LOCK_RC=$?",
+        f'  if [ "$LOCK_RC" -eq {busy} ]; then',
+        f'    echo "mfsdp-train: error: run.dir: $RUN_DIR is in use by $(cat "$RUN_DIR/{rundir.LOCK}") '
+        f'(allowed: wait for that run to end, or another run.dir)" >&2',
+        f"    exit {exit_codes.CONFIG}",
+        '  elif [ "$LOCK_RC" -eq 0 ]; then',
+        f'    printf \'{{"host": "%s", "pid": %d, "command": "sbatch job %s"}}\\n\' "$(hostname)" $$ '
+        f'"${{SLURM_JOB_ID:-}}" > "$RUN_DIR/{rundir.LOCK}"',
+        f'    trap \'rm -f "$RUN_DIR/{rundir.LOCK}"\' EXIT',
+        "  fi",
+        "fi",
+    ]
+
+
+def _run(cfg, config_path: Path) -> List[str]:
+    lc = cfg.launcher
+    q = shlex.quote
+    config = q(str(Path(config_path).resolve()))
     if lc.rdzv_endpoint:
         endpoint = q(lc.rdzv_endpoint)
         endpoint_lines: List[str] = []
@@ -90,29 +166,37 @@ def sbatch_script(cfg, config_path: Path) -> str:
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f'--rdzv-id="{rdzv_id}"' if rdzv_id == "$SLURM_JOB_ID" else f"--rdzv-id={q(rdzv_id)}",
+        '--log-dir="$RUN_DIR/logs" --tee=3',
         f"--max-restarts={lc.max_restarts}",
-        "-m mfsdp_launch.worker --config " + q(str(Path(config_path).resolve())),
+        f"-m {rank_module()} --config {config}",
     ]
-    lines = [
-        "#!/bin/bash",
-        f"# Written by mfsdp-train for run {cfg.run.name!r}. Submit it with: sbatch {run_dir / rundir.SBATCH_SCRIPT}",
-        "# run.dir must be on a filesystem every node sees: the workers read its config.yaml and",
-        "# write checkpoints there. Re-submitting the script resumes from the newest checkpoint.",
-        *[f"#SBATCH {d}" for d in directives],
-        "",
-        "set -euo pipefail",
-        f"cd {q(os.getcwd())}",
-        f'export PYTHONPATH={q(package_root())}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-        "export MFSDP_LAUNCHER=1",
-        "export PYTHONUNBUFFERED=1",
+    return [
         *endpoint_lines,
-        "",
-        "# One torchrun per node (one task per node); torchrun starts the ranks of its node.",
+        "STOP_SIGNAL=",
+        f'stop_request() {{ STOP_SIGNAL=$1; TRAPPED=1; touch "$RUN_DIR/{rundir.STOP}"; '
+        'echo "mfsdp-train: SIG$1: the ranks finish their step, save a checkpoint and stop" >&2; }',
+        "trap 'stop_request USR1' USR1",
+        "trap 'stop_request TERM' TERM",
+        f'rm -f "$RUN_DIR/{rundir.STOP}"',
+        "START=$SECONDS",
+        "# One torchrun per node (one task per node); torchrun starts the ranks of its node. In the",
+        "# background, so that the signal traps run while it trains.",
         "srun --kill-on-bad-exit=1 \\",
-        "  " + " \\\n  ".join(torchrun),
-        "",
+        "  " + " \\\n  ".join(torchrun) + " &",
+        "SRUN_PID=$!",
+        "while :; do  # a trapped signal interrupts `wait`: wait again for srun's own exit code",
+        '  TRAPPED=0; wait "$SRUN_PID"; RC=$?',
+        '  [ "$TRAPPED" = 1 ] && [ "$RC" -gt 128 ] || break',
+        "done",
+        f'{q(sys.executable)} -m mfsdp_launch.runstate {config} "$RC" ${{STOP_SIGNAL:+--stop-requested}} '
+        '--wall-s "$((SECONDS - START))"',
+        "CODE=$?",
+        f'if [ "$CODE" -eq {exit_codes.INTERRUPTED} ] && [ "$STOP_SIGNAL" = USR1 ]; then',
+        '  echo "mfsdp-train: requeueing SLURM job $SLURM_JOB_ID: it resumes from the checkpoint" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$CODE"',
     ]
-    return "\n".join(lines)
 
 
 def write_and_maybe_submit(cfg, config_path: Path) -> int:

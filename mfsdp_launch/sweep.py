@@ -8,7 +8,8 @@ Each job gets a deterministic directory, `<hydra.sweep.dir>/<hydra.job.override_
 (a '/' in a value is escaped, so one job is one directory), which is its `run.dir`. The job
 records `job_status.json` there and never raises, so one failing job does not stop the sweep.
 
-Re-running the same sweep skips finished jobs and resumes the others. A job is finished when
+Re-running the same sweep launches nothing for finished jobs (status `done`, marked "already
+finished") and resumes the others. A job is finished when
   * its directory holds a `DONE` marker whose step is >= the job's train.steps (the sweep writes
     it after torchrun exits 0 and the run reached train.steps), or
   * its newest intact committed checkpoint (`checkpoints/step_<N>/` whose manifest.json lists
@@ -34,15 +35,17 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 from .atomic_io import atomic_write_text
-from .checkpoint import checkpoints_dir, find_latest
 from .errors import ConfigError
-from . import launch, rundir
+from . import exit_codes, launch, rundir
 from .console import eprint
+from .runstate import final_checkpoint_step, last_metrics, reached_step
 
 SUMMARY_MD = "sweep_summary.md"
 
 # Statuses a job can end with; the sweep exits 0 only if every job ended in OK_STATUSES.
+# ("skipped" is what earlier versions recorded for an already finished job: now "done".)
 OK_STATUSES = ("done", "skipped", "dry_run", "submitted", "written")
+ALREADY_FINISHED = "already finished"
 
 # Per-process sweep state: a job stopped on request (Ctrl-C, STOP file) stops the whole sweep.
 _STATE = {"stop": False, "started": 0}
@@ -53,7 +56,7 @@ _STATE = {"stop": False, "started": 0}
 
 def run_sweep(argv: List[str]) -> int:
     """Run the sweep for these command-line arguments (with -m/--multirun); 0 if every job
-    finished or was skipped, 1 if any failed, 2 for bad overrides (nothing ran)."""
+    finished, 1 if any failed, 2 for bad overrides (nothing ran), 3 if interrupted."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
     from hydra.core.global_hydra import GlobalHydra
@@ -83,8 +86,8 @@ def run_sweep(argv: List[str]) -> int:
             sweep_dir = _abs(str(sweep_cfg.hydra.sweep.dir), sweep_cfg.hydra.runtime.cwd)
             n_jobs = _prevalidate(hydra, sweep_cfg)
         except Exception as exc:  # Hydra/OmegaConf raise many types; all mean bad input here
-            eprint(f"mfsdp-train: error: {config_error_from(exc)}")
-            return 2
+            eprint(f"mfsdp-train: error: {_explain(config_error_from(exc), exc)}")
+            return exit_codes.CONFIG
         print(f"mfsdp-train: sweep{f' of {n_jobs} jobs' if n_jobs else ''} into {sweep_dir}", flush=True)
         try:
             returns = hydra.multirun(config_name="config", task_function=sweep_job, overrides=overrides)
@@ -94,8 +97,8 @@ def run_sweep(argv: List[str]) -> int:
         except Exception as exc:
             if n_jobs is None and _STATE["started"] == 0 and not job_dirs_in(sweep_dir):
                 # Another sweeper composes the jobs itself, before launching any: bad values end up here.
-                eprint(f"mfsdp-train: error: {config_error_from(exc)}")
-                return 2
+                eprint(f"mfsdp-train: error: {_explain(config_error_from(exc), exc)}")
+                return exit_codes.CONFIG
             # E.g. a launcher plugin whose job was killed (timeout, preemption): its JobReturn raises.
             eprint(f"mfsdp-train: sweep aborted: {type(exc).__name__}: {_first_line(str(exc))}")
             aborted = True
@@ -106,11 +109,19 @@ def run_sweep(argv: List[str]) -> int:
     if job_dirs is None:  # a sweeper that returns no JobReturns: look at the sweep dir itself
         job_dirs = job_dirs_in(sweep_dir)
     rows = summarize(job_dirs, sweep_dir)
-    if interrupted:
-        return 130
+    if interrupted or _STATE["stop"]:  # Ctrl-C between jobs, or a job stopped on request
+        return exit_codes.INTERRUPTED
     if aborted:
-        return 1
-    return 0 if rows and all(r["status"] in OK_STATUSES for r in rows) else 1
+        return exit_codes.FAILED
+    return exit_codes.OK if rows and all(r["status"] in OK_STATUSES for r in rows) else exit_codes.FAILED
+
+
+def _explain(err: ConfigError, exc: BaseException) -> ConfigError:
+    """A YAML syntax error names its file and line (cli.explain), from the original exception."""
+    from .cli import explain
+
+    err.__context__ = exc
+    return explain(err)
 
 
 def _prevalidate(hydra, sweep_cfg) -> Optional[int]:
@@ -235,10 +246,10 @@ def sweep_job(cfg) -> dict:
         status["train_steps"] = int(job_cfg.train.steps)
         done = finished_step(jdir, job_cfg.train.steps)
         if done is not None and not job_cfg.launcher.dry_run:
-            print(f"mfsdp-train: sweep job #{num} {label}: already finished (step {done}/"
-                  f"{job_cfg.train.steps}): skipped", flush=True)
+            print(f"mfsdp-train: sweep job #{num} {label}: {ALREADY_FINISHED} (step {done}/"
+                  f"{job_cfg.train.steps}): done, nothing to run", flush=True)
             _write_done(jdir, done, job_cfg.train.steps)
-            return finish("skipped", exit_code=0, final_step=done)
+            return finish("done", exit_code=0, final_step=done, already_finished=True)
         _STATE["started"] += 1
         print(f"mfsdp-train: sweep job #{num} {label}: run.dir={jdir}", flush=True)
         _write_json(jdir / rundir.JOB_STATUS, status)
@@ -266,17 +277,19 @@ def _run_job(job_cfg, overrides: List[str], jdir: Path, finish) -> dict:
                       exit_code=rc)
     step = reached_step(jdir)
     stop_requested = (jdir / rundir.STOP).exists()  # left behind when a stop aborted the job
-    if rc == 0 and step is not None and step >= job_cfg.train.steps:
+    if rc == exit_codes.OK and step is not None and step >= job_cfg.train.steps:
         _write_done(jdir, step, job_cfg.train.steps)
         return finish("done", exit_code=0, final_step=step)
-    if rc == 0 or stop_requested:
+    if rc == exit_codes.CONFIG:
+        return finish("invalid", exit_code=rc, final_step=step, error="refused at start (see its log)")
+    if rc in (exit_codes.OK, exit_codes.INTERRUPTED, exit_codes.ABORTED) or stop_requested:
         # Stopped on request before train.steps: the user wants the sweep to stop too.
         _STATE["stop"] = True
         eprint(f"mfsdp-train: job stopped at step {step} of {job_cfg.train.steps}; stopping the sweep "
                 "(re-run the same command to resume it)")
         return finish("stopped", exit_code=rc, final_step=step)
     return finish("failed", exit_code=rc, final_step=step,
-                  error=f"torchrun exit code {rc}; its log is in the sweep's output")
+                  error=f"exit code {rc}; logs in {jdir / rundir.LOGS}")
 
 
 def _now() -> str:
@@ -307,14 +320,6 @@ def read_json(path: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
-def final_checkpoint_step(run_dir: Path) -> Optional[int]:
-    """Step of the newest intact committed checkpoint in `run_dir/checkpoints` (the resume point
-    the checkpoint module would pick: a `step_<N>` dir whose manifest lists files that are all
-    there), or None."""
-    found, _damaged = find_latest(checkpoints_dir(run_dir))
-    return found.step if found is not None else None
-
-
 def finished_step(run_dir: Path, train_steps: int) -> Optional[int]:
     """The step a finished job reached, or None if it must (still) run. See the module doc."""
     done = read_json(Path(run_dir) / rundir.JOB_DONE)
@@ -324,35 +329,6 @@ def finished_step(run_dir: Path, train_steps: int) -> Optional[int]:
     if ckpt is not None and ckpt >= train_steps:
         return ckpt
     return None
-
-
-def read_metrics(run_dir: Path) -> List[dict]:
-    rows = []
-    try:
-        text = (Path(run_dir) / rundir.METRICS).read_text()
-    except OSError:
-        return rows
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
-
-
-def last_metrics(run_dir: Path) -> Optional[dict]:
-    rows = read_metrics(run_dir)
-    return rows[-1] if rows else None
-
-
-def reached_step(run_dir: Path, last_row: Optional[dict] = None) -> Optional[int]:
-    """How far a run got: its last logged step or its newest checkpoint, whichever is later.
-    `last_row`: its last metrics row, when the caller has read it already ({} for none)."""
-    row = last_metrics(run_dir) if last_row is None else last_row
-    steps = [s for s in ((row or {}).get("step"), final_checkpoint_step(run_dir)) if s is not None]
-    return max(steps) if steps else None
 
 
 def job_dirs_in(sweep_dir: Path) -> List[Path]:
@@ -385,10 +361,12 @@ def job_row(jdir: Path) -> dict:
     step = reached_step(jdir, last) if jdir.is_dir() else None
     if status in ("running", "submitted", "written", "unknown") and steps and step is not None and step >= steps:
         status = "done"  # finished after this record was written (a plugin or SLURM ran it)
+    already = status == "skipped" or (status == "done" and st.get("already_finished"))
     return {
         "job": st.get("job_num"),
         "overrides": job_overrides(jdir, st),
-        "status": status,
+        "status": "done" if already else status,
+        "label": f"done ({ALREADY_FINISHED})" if already else status,
         "exit_code": st.get("exit_code"),
         "step": step,
         "train_steps": steps,
@@ -455,7 +433,7 @@ def _display_rows(rows: List[dict]) -> tuple[List[str], List[List[str]]]:
     table = []
     for r, ovr in zip(rows, per_row):
         step = "-" if r["step"] is None else (f"{r['step']}/{r['train_steps']}" if r["train_steps"] else str(r["step"]))
-        cells = {"overrides": " ".join(ovr) or "(none)", "step": step}
+        cells = {"overrides": " ".join(ovr) or "(none)", "step": step, "status": r.get("label", r["status"])}
         table.append([cells.get(k, _fmt(k, r.get(k))) for k, _ in DISPLAY])
     return common, table
 
@@ -497,7 +475,8 @@ def to_markdown(rows: List[dict], common: List[str], table: List[List[str]], swe
 def _counts(rows: List[dict]) -> str:
     counts: Dict[str, int] = {}
     for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        label = r.get("label", r["status"])
+        counts[label] = counts.get(label, 0) + 1
     return f"{len(rows)} job(s): " + ", ".join(f"{n} {s}" for s, n in counts.items())
 
 

@@ -44,6 +44,66 @@ def test_show_config(tmp_path):
     assert out.returncode == 0 and "zero_dp_strategy: optim_grads_params" in out.stdout
 
 
+def test_cfg_prints_and_exits_without_training(tmp_path):
+    """As Hydra's --cfg: show the config, run nothing (also without launcher.dry_run)."""
+    out = cli("+recipe=cpu_smoke", f"run.dir={tmp_path}/r", "--cfg", "job", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "zero_dp_strategy: optim_grads_params" in out.stdout and f"dir: {tmp_path}/r" in out.stdout
+    assert "ranks, run.dir=" not in out.stdout and "world=" not in out.stdout
+    assert not (tmp_path / "r").exists()
+
+
+def test_version_and_help_list_the_exit_codes():
+    from mfsdp_launch import __version__, exit_codes
+
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"mfsdp-launch {__version__}" and not out.stderr
+    text = cli("--help").stdout
+    for code, meaning in exit_codes.MEANING.items():
+        assert f"  {code}  {meaning}" in text
+
+
+def test_no_arguments_prints_a_usage_hint_and_trains_nothing(tmp_path):
+    out = cli(cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.startswith("mfsdp-train: nothing to train") and "+recipe=cpu_smoke" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # no runs/ folder, no random-token training
+
+
+def test_unknown_option_is_one_line(tmp_path):
+    out = cli("+recipe=cpu_smoke", "--bogus", timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "mfsdp-train: error: --bogus: unknown option (allowed: --help|--version|--cfg|--config-dir|--multirun "
+        "and key=value overrides)"]
+
+
+def own_recipes(tmp_path):
+    folder = tmp_path / "my_configs" / "recipe"
+    folder.mkdir(parents=True)
+    (folder / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - /recipe/cpu_smoke\n"
+                                      "train:\n  steps: 7\n  seq_len: 96\n")
+    (folder / "broken.yaml").write_text("# @package _global_\ntrain:\n  steps: 5\n  seq_len: [1, 2\nrun:\n  name: x\n")
+    return tmp_path / "my_configs"
+
+
+def test_own_recipes_with_config_dir_or_hydra_searchpath(tmp_path):
+    configs = own_recipes(tmp_path)
+    for how in (["--config-dir", str(configs)], [f"--config-dir={configs}"], [f"hydra.searchpath=[file://{configs}]"]):
+        out = cli(*how, "+recipe=mine", "--cfg", timeout=120)
+        assert out.returncode == 0, (how, out.stderr)
+        assert "steps: 7" in out.stdout and "seq_len: 96" in out.stdout and "name: cpu_smoke" in out.stdout
+
+
+def test_yaml_error_in_an_own_recipe_names_the_file_and_line(tmp_path):
+    configs = own_recipes(tmp_path)
+    out = cli("--config-dir", str(configs), "+recipe=broken", "launcher.dry_run=true", timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith(f"mfsdp-train: error: {configs / 'recipe' / 'broken.yaml'}:5:")
+    assert "YAML error" in lines[0]
+
+
 def test_help_and_dry_run_do_not_import_torch():
     """Why they are fast: neither path imports torch (scripts/cli_latency.py measures the times)."""
     import subprocess

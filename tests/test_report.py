@@ -91,6 +91,26 @@ def test_sweep_dir_expands_to_its_jobs_overlaid(tmp_path, capsys):
     assert any("MFU n/a (no device peak)" in ln for ln in lines)
 
 
+def test_a_diverged_run_has_no_best_nan_and_rerun_points_read_done(tmp_path, capsys):
+    """Issue 17: a nan first row made the best loss "nan"; a sweep point that was already
+    finished when the sweep ran again read "skipped"."""
+    run = tmp_path / "run"
+    run.mkdir()
+    losses = [float("nan"), 3.0, 2.5, float("inf"), float("nan")]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": v}) + "\n"
+                                               for i, v in enumerate(losses)))
+    (run / "job_status.json").write_text(json.dumps({"status": "done", "already_finished": True}))
+    old = fake_run(tmp_path / "old")
+    (old / "job_status.json").write_text(json.dumps({"status": "skipped"}))  # an earlier version's record
+    assert report.main([str(run), str(old), "--out", str(tmp_path / "o")]) == 0
+    lines = (tmp_path / "o" / "summary.txt").read_text().splitlines()
+    mine = next(ln for ln in lines if ln.strip().startswith("run:"))
+    assert "best 2.5000 @ 3" in mine and "best nan" not in mine and "final loss nan" in mine
+    assert "done (already finished)" in mine
+    assert "skipped" not in "\n".join(lines) and "done (already finished)" in next(
+        ln for ln in lines if ln.strip().startswith("old:"))
+
+
 def test_labels_are_the_swept_values(tmp_path):
     runs = [fake_run(tmp_path / f"j{i}", overrides=["+recipe=cpu_smoke", f"optim.lr={lr}", "train.steps=3"])
             for i, lr in enumerate((0.1, 0.2))]

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import stat
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from conftest import cli
-from mfsdp_launch import slurm
+from conftest import cli, cli_env, free_port
+from mfsdp_launch import exit_codes, slurm
 from mfsdp_launch.config import prepare
 
 
@@ -40,6 +45,8 @@ def test_cli_writes_a_ready_sbatch_script(tmp_path):
         "#SBATCH --time=01:30:00",
         f"#SBATCH --output={run_dir}/slurm-%j.out",
         "#SBATCH --open-mode=append",
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --requeue",
     ]
     # SBATCH directives must come before the first command, or sbatch ignores them.
     first_cmd = next(i for i, ln in enumerate(lines) if ln and not ln.startswith("#"))
@@ -49,8 +56,11 @@ def test_cli_writes_a_ready_sbatch_script(tmp_path):
     assert cmd.startswith("srun ")
     for part in (f"{sys.executable} -m torch.distributed.run", '--nnodes="$SLURM_NNODES"',
                  "--nproc-per-node=8", "--rdzv-backend=c10d", '--rdzv-endpoint="${HEAD_NODE}:${RDZV_PORT}"',
-                 '--rdzv-id="$SLURM_JOB_ID"', f"-m mfsdp_launch.worker --config {run_dir}/config.yaml"):
+                 '--rdzv-id="$SLURM_JOB_ID"', '--log-dir="$RUN_DIR/logs" --tee=3',
+                 f"-m mfsdp_launch.rank --config {run_dir}/config.yaml"):
         assert part in cmd, part
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$THREADS}"' in text
+    assert "SLURM_CPUS_ON_NODE" in text and "/ 8 ))" in text  # the node's CPUs over its 8 ranks
     # The frozen config the workers read is there, with the resolved run.dir and mesh.
     cfg_text = (run_dir / "config.yaml").read_text()
     assert f"dir: {run_dir}" in cfg_text and "nnodes: 4" in cfg_text
@@ -146,3 +156,80 @@ def test_worker_env_under_a_bare_srun():
             os.environ.pop(k, None)
         assert _dist_env() == (5, 1, 8)
         assert os.environ["MASTER_ADDR"] == "gpu003" and os.environ["MASTER_PORT"] == str(20000 + 123)
+
+
+# --- preemption: the script run by bash with stub srun/scontrol (no cluster) -------------------
+
+STUB_SRUN = """#!/bin/sh
+# srun stand-in: drop srun's options, run the command (one node, here).
+while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done
+exec "$@"
+"""
+STUB_SCONTROL = """#!/bin/sh
+echo "$@" >> "{log}"
+"""
+
+
+def stub_cluster(tmp_path: Path) -> tuple:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls"
+    for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL.format(log=calls))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**cli_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "SLURM_JOB_ID": "777",
+           "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost", "SLURM_CPUS_ON_NODE": "2"}
+    return env, calls
+
+
+def steps_in(run_dir: Path) -> list:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_usr1_saves_a_checkpoint_exits_interrupted_and_requeues_then_the_job_resumes(tmp_path):
+    """SLURM's `--signal=B:USR1@120` before the time limit: the script asks the ranks to stop (they
+    save), judges the run interrupted (exit 3) and requeues the job; run again (the requeue), it
+    resumes from that checkpoint and finishes."""
+    run_dir = tmp_path / "run"
+    small = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
+             "train.grad_accum_steps=1", "train.micro_batch_size=2", "train.progress=false"]
+    r = cli("+recipe=cpu_smoke", "launcher=slurm", "engine.backend=gloo", f"run.dir={run_dir}", "train.steps=400",
+            f"launcher.rdzv_endpoint=127.0.0.1:{free_port()}", *small, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    script = run_dir / "sbatch.sh"
+    env, calls = stub_cluster(tmp_path)
+    log = open(tmp_path / "job.out", "w")
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while len(steps_in(run_dir)) < 2:
+            assert job.poll() is None, (tmp_path / "job.out").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert json.loads((run_dir / "run.lock").read_text())["command"] == "sbatch job 777"
+        job.send_signal(signal.SIGUSR1)  # B: to the batch shell only
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        log.close()
+    out = (tmp_path / "job.out").read_text()
+    assert job.returncode == exit_codes.INTERRUPTED, out[-3000:]
+    stopped = steps_in(run_dir)[-1]
+    assert stopped < 400 and (run_dir / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()
+    assert calls.read_text().split() == ["requeue", "777"]
+    assert f"interrupted at step {stopped}/400" in out and "Traceback" not in out
+    assert not (run_dir / "run.lock").exists()
+    assert len(list((run_dir / "logs").rglob("stdout.log"))) == 2  # each rank's output, via torchrun --tee
+
+    # The requeued job: the same script, fewer steps to go (train.steps is in the frozen config,
+    # so shorten the run by editing it the way a user would re-submit with more or fewer steps).
+    cfg = (run_dir / "config.yaml").read_text().replace("steps: 400", f"steps: {stopped + 1}")
+    (run_dir / "config.yaml").write_text(cfg)
+    again = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == exit_codes.OK, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming from step {stopped}" in again.stdout
+    assert steps_in(run_dir)[-1] == stopped + 1
+    assert calls.read_text().split() == ["requeue", "777"]  # no second requeue

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import cli
 from mfsdp_launch import launch as launch_mod
-from mfsdp_launch import rundir, sweep
+from mfsdp_launch import exit_codes, rundir, sweep
 
 SMALL = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
          "train.grad_accum_steps=1"]
@@ -111,8 +111,10 @@ def test_four_jobs_summary_then_rerun_skips_all(tmp_path, fake, capsys):
     rc = sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3", "train.micro_batch_size=2,4"))
     out = capsys.readouterr().out
     assert rc == 0 and f2.calls == []
-    assert out.count("already finished (step 3/3): skipped") == 4
-    assert {r["status"] for r in rows_of(sw / rundir.SWEEP_SUMMARY)} == {"skipped"}
+    assert out.count("already finished (step 3/3): done, nothing to run") == 4
+    assert {r["status"] for r in rows_of(sw / rundir.SWEEP_SUMMARY)} == {"done"}
+    assert "4 job(s): 4 done (already finished)" in out and "skipped" not in out
+    assert all(json.loads((d / rundir.JOB_STATUS).read_text())["already_finished"] for d in f.calls)
 
 
 def test_failed_and_invalid_jobs_are_recorded_and_the_sweep_goes_on(tmp_path, fake, capsys):
@@ -151,14 +153,14 @@ def test_unfinished_job_runs_again_and_a_final_checkpoint_counts_as_finished(tmp
     f = fake()
     assert sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3")) == 0
     assert f.calls == [b]
-    assert json.loads((a / rundir.JOB_STATUS).read_text())["status"] == "skipped"
+    assert json.loads((a / rundir.JOB_STATUS).read_text())["status"] == "done"
     assert json.loads((a / rundir.JOB_DONE).read_text())["step"] == 3
 
 
 def test_a_stopped_job_stops_the_sweep(tmp_path, fake, capsys):
     f = fake(stop_at=1)  # exits 0 before train.steps: a graceful stop on request
     rc = sweep.run_sweep(sweep_args(tmp_path, "optim.lr=1e-3,3e-3"))
-    assert rc == 1 and len(f.calls) == 1
+    assert rc == exit_codes.INTERRUPTED and len(f.calls) == 1
     statuses = [r["status"] for r in rows_of(tmp_path / "sw" / rundir.SWEEP_SUMMARY)]
     assert statuses == ["stopped", "not_run"]
     assert "stopping the sweep" in capsys.readouterr().err
@@ -253,17 +255,20 @@ def test_acceptance_sweep_four_jobs_then_rerun_skips(tmp_path):
     md = (sw / sweep.SUMMARY_MD).read_text()
     assert md.count("| optim.lr=") == 4
     assert "sweep summary" in r.stdout and "4 job(s): 4 done" in r.stdout
-    assert not list(sw.rglob(".hydra")) and not list(sw.rglob("*.log"))
+    assert not list(sw.rglob(".hydra"))
+    # No Hydra log files; the only logs are each run's own (run.dir/logs: launcher and ranks).
+    assert all("logs" in p.relative_to(sw).parts for p in sw.rglob("*.log"))
+    assert all((Path(x["run_dir"]) / "logs" / "launcher.log").is_file() for x in rows)
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
     t0 = time.monotonic()
     r = cli(*args, cwd=tmp_path, timeout=120)
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("skipped") >= 4 and "4 job(s): 4 skipped" in r.stdout
+    assert r.stdout.count("already finished") >= 4 and "4 job(s): 4 done (already finished)" in r.stdout
     assert "ranks, run.dir=" not in r.stdout  # nothing launched
     assert took < 30, took
-    assert {x["status"] for x in rows_of(sw / rundir.SWEEP_SUMMARY)} == {"skipped"}
+    assert {x["status"] for x in rows_of(sw / rundir.SWEEP_SUMMARY)} == {"done"}
 
 
 @pytest.mark.slow

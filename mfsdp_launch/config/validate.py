@@ -144,6 +144,9 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
                        micro_batch_size=cfg.train.micro_batch_size, fp8_recipe=str(cfg.fp8.recipe),
                        fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name), engine=caps.name)
     check_family_keys(m, fam.name)
+    heads = fam.n_heads(m)
+    if heads is not None and heads % dims.tp:
+        raise ConfigError("mesh.tp", f"{dims.tp} does not divide the {heads} attention heads of model={fam.name}")
     warnings = fam.check(m, ctx)
     _check_activation_checkpointing(m, fam)
     if dims.tp > 1:
@@ -155,9 +158,6 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
                               f"1 with engine={caps.name}, or engine=megatron_fsdp")
         if not fam.model_parallel:
             raise ConfigError(key, f"model={fam.name} has no tensor/context parallelism yet", "1")
-    heads = fam.n_heads(m)
-    if heads is not None and heads % dims.tp:
-        raise ConfigError("mesh.tp", f"{dims.tp} does not divide the {heads} attention heads of model={fam.name}")
     if cfg.train.seq_len % dims.cp:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.cp={dims.cp}")
     if (m.freeze or cfg.fp8.skip) and not fam.measured:
