@@ -84,8 +84,10 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
 
             stop = ctx.stop_requested(state.step)
             last = state.step == train_cfg.steps
+            val_row = None
             if _validation_due(ctx, train_cfg, state.step, last, stop):
-                paused += validate(model, train_cfg.val_steps, state.step, ctx, progress)
+                val_row, seconds = validate(model, train_cfg.val_steps, state.step, ctx, progress)
+                paused += seconds
             if state.step % train_cfg.log_interval == 0 or last or stop:
                 dt = (timer.lap() - paused) / steps_since_log  # validation is not training time
                 row = _log_row(ctx, state, loss_sum / steps_since_log, grad_norm, dt, tokens_per_step, blocked)
@@ -93,7 +95,9 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 steps_since_log, blocked, paused = 0, 0.0, 0.0
                 if progress is not None:
                     progress.log(row)
-                ctx.metrics.write(row)
+                ctx.metrics.write({**row, **(val_row or {})})  # one row per step
+            elif val_row is not None:
+                ctx.metrics.write(val_row)
                 if not math.isfinite(row["loss"]):
                     raise FloatingPointError(f"loss is {row['loss']} at step {state.step}")
             if progress is not None:
@@ -117,10 +121,10 @@ def _validation_due(ctx: LoopContext, train_cfg, step: int, last: bool, stop: bo
     return last or (train_cfg.val_interval > 0 and step % train_cfg.val_interval == 0)
 
 
-def validate(model: torch.nn.Module, val_steps: int, step: int, ctx: LoopContext, progress=None) -> float:
-    """Mean loss over `val_steps` validation batches on every rank, written as a metrics row (before
-    the step's training row); returns the seconds it took. No gradients, no optimizer or RNG use:
-    the training that follows is the same as without it."""
+def validate(model: torch.nn.Module, val_steps: int, step: int, ctx: LoopContext, progress=None):
+    """Mean loss over `val_steps` validation batches of every rank: ({"step", "val_loss", "val_ppl"},
+    seconds taken). No gradients, no optimizer or RNG use: the training that follows is the same
+    as without it. The loop writes the row, merged into the step's training row if it has one."""
     t0 = time.perf_counter()
     was_training = model.training
     model.eval()
@@ -139,8 +143,7 @@ def validate(model: torch.nn.Module, val_steps: int, step: int, ctx: LoopContext
     seconds = time.perf_counter() - t0
     if progress is not None:
         progress.log_val(row, seconds)
-    ctx.metrics.write(row)
-    return seconds
+    return row, seconds
 
 
 def _log_row(ctx: LoopContext, state: TrainState, loss: torch.Tensor, grad_norm, dt: float,
