@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 from . import exit_codes
 from .console import eprint
 from .errors import ConfigError
+from .config.compose import explain
 from .launch import check, run_checked
 
 
@@ -26,8 +27,8 @@ with torchrun. Examples:
   mfsdp-train -m +recipe=cpu_smoke optim.lr=1e-3,3e-3    a sweep: one torchrun job per point
   mfsdp-train --config-dir ~/my_configs +recipe=mine     your own recipes in ~/my_configs/recipe/
 
-config groups: engine=fsdp2|megatron_fsdp  model=gpt|te_gpt|toy_cnn|toy_transformer|
-  te_toy_transformer  data=synthetic|text  launcher=torchrun|slurm  +recipe=<name>
+config groups: engine={engines}  model={models}
+  data={datasets}  launcher=torchrun|slurm  +recipe=<name>
 main keys: mesh.{dp_outer,dp_shard,cp,tp}  sharding.{zero_dp_strategy,outer_dp_sharding_strategy}
   precision.{compute_dtype,main_params_dtype,main_grads_dtype,grad_comm_dtype}  fp8.recipe
   train.{steps,micro_batch_size,grad_accum_steps,seq_len,compile,...}  optim.*  checkpoint.*
@@ -40,6 +41,16 @@ options:
 run.dir holds logs/ (the launcher's log, each rank's stdout/stderr), run.lock while a run owns
 it, config.yaml, metrics.jsonl and checkpoints/. Ctrl-C or SIGTERM: finish the step, save, stop.
 """
+
+def help_text() -> str:
+    """HELP with the names each registry knows (torch-free imports)."""
+    from .config.schema import Dataset
+    from .engines import ENGINES
+    from .models import names
+
+    return (HELP.replace("{engines}", "|".join(ENGINES)).replace("{models}", "|".join(names()))
+            .replace("{datasets}", "|".join(d.value for d in Dataset)))
+
 
 USAGE_HINT = """\
 mfsdp-train: nothing to train: give a recipe or overrides, e.g.
@@ -126,30 +137,10 @@ def add_search_path(overrides: List[str], dirs: List[str]) -> List[str]:
     return out
 
 
-def explain(exc: ConfigError) -> ConfigError:
-    """A YAML syntax error in a config file: name the file and line instead of the parser's
-    first words (the original error is the ConfigError's context)."""
-    e: Optional[BaseException] = exc
-    seen = []
-    while e is not None and e not in seen:
-        seen.append(e)
-        mark = getattr(e, "problem_mark", None)
-        if mark is not None and getattr(mark, "name", None):
-            problem = getattr(e, "problem", None) or "invalid YAML"
-            context = getattr(e, "context", None)
-            return ConfigError(f"{mark.name}:{mark.line + 1}:{mark.column + 1}",
-                               f"YAML error: {problem}" + (f" ({context})" if context else ""))
-        e = e.__cause__ or e.__context__
-    return exc
-
-
-# --- the command ----------------------------------------------------------------------------------
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(HELP + exit_codes.help_text(), end="")
+        print(help_text() + exit_codes.help_text(), end="")
         return exit_codes.OK
     if "--version" in argv:
         print(version())

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import List, Optional
 
 from . import exit_codes, rundir
+from .rank_env import diagnostics_env, package_root, rank_module
 from .console import eprint
 from .errors import ConfigError
 
-NCCL_TRACE_ENTRIES = "2000"  # flight recorder ring size per process group (PyTorch's suggested size)
 
 
 def check(cfg) -> List[str]:
@@ -67,8 +67,12 @@ def _preflight(cfg) -> None:
 def prepare_run_dir(cfg, overrides: List[str]) -> Path:
     from .config.compose import save_frozen
 
+    from .checkpoint import clean_stale
+
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)
+    # Stale saves first: on a disk a crashed save filled, they hold the space config.yaml needs.
+    clean_stale(run_dir)
     path = save_frozen(cfg, run_dir, overrides)
     (run_dir / rundir.STOP).unlink(missing_ok=True)
     return path
@@ -89,10 +93,6 @@ def already_finished(cfg) -> Optional[str]:
     return (f"mfsdp-train: run.dir={cfg.run.dir}: checkpoint {where} is at step {plan.step}, beyond "
             f"train.steps={cfg.train.steps}; nothing to do (raise train.steps to train on, or "
             "checkpoint.load_step=N to go back)")
-
-
-def rank_module() -> str:
-    return "mfsdp_launch.rank"
 
 
 def torchrun_command(launcher_cfg, config_path: Path) -> List[str]:
@@ -131,50 +131,6 @@ def worker_env(launcher_cfg, run_dir: Optional[Path] = None) -> dict:
     env["PYTHONPATH"] = package_root() + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(diagnostics_env(run_dir))
     return env
-
-
-def diagnostics_env(run_dir: Optional[Path], environ=None, torch_version: Optional[str] = None) -> dict:
-    """The flight recorder on (the last collectives of every process group, dumped on a stall or
-    an NCCL timeout into run.dir/logs), unless the user set these variables. torch 2.8 renamed
-    TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE (and warns about the old names)."""
-    environ = os.environ if environ is None else environ
-    new_names = _torch_at_least(torch_version, (2, 8))
-    size_keys = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-    file_keys = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-    env = {}
-    if not any(k in environ for k in size_keys):
-        env[size_keys[0] if new_names else size_keys[1]] = NCCL_TRACE_ENTRIES
-    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ:
-        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
-    if run_dir is not None:
-        env["MFSDP_RUN_DIR"] = str(run_dir)
-        if not any(k in environ for k in file_keys):
-            # torch appends the rank to this prefix
-            env[file_keys[0] if new_names else file_keys[1]] = str(
-                Path(run_dir) / rundir.LOGS / rundir.FLIGHT_RECORDER_TIMEOUT)
-    return env
-
-
-def _torch_at_least(version: Optional[str], wanted: tuple) -> bool:
-    """Compare the installed torch's version without importing torch."""
-    if version is None:
-        from importlib import metadata
-
-        try:
-            version = metadata.version("torch")
-        except metadata.PackageNotFoundError:
-            return True
-    parts = []
-    for p in version.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts) >= wanted
-
-
-def package_root() -> str:
-    """The folder holding this package (a source checkout or site-packages): put on the workers'
-    PYTHONPATH so that they import this package the way the launcher did."""
-    return str(Path(__file__).resolve().parent.parent)
 
 
 def launch(cfg, overrides: List[str]) -> int:

@@ -159,6 +159,7 @@ def build_io(cfg, rt: Runtime, tr: Training, resumed) -> IO:
     from .metrics import MetricsWriter
 
     metrics = MetricsWriter(Path(cfg.run.dir), enabled=rt.rank == 0, tensorboard=cfg.logging.tensorboard,
+                            logging_cfg=cfg.logging,
                             start_step=resumed.step)
     return IO(metrics=metrics, next_batch=batch_source(cfg, tr.spec, rt, resumed))
 

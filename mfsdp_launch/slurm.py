@@ -19,7 +19,7 @@ from typing import List, Optional
 from .atomic_io import atomic_write_text
 from . import exit_codes, rundir
 from .console import eprint
-from .launch import package_root, rank_module
+from .rank_env import diagnostics_env, package_root, rank_module
 from .supervise import PREFIX_TEMPLATE
 
 DEFAULT_RDZV_PORT_BASE = 20000  # the port is derived from the job id: two jobs never share one
@@ -101,7 +101,6 @@ def _directives(cfg, run_dir: Path) -> List[str]:
 
 
 def _environment(cfg, run_dir: Path) -> List[str]:
-    from .launch import diagnostics_env
 
     q = shlex.quote
     nproc = cfg.launcher.nproc_per_node

@@ -118,7 +118,7 @@ def run_sweep(argv: List[str]) -> int:
 
 def _explain(err: ConfigError, exc: BaseException) -> ConfigError:
     """A YAML syntax error names its file and line (cli.explain), from the original exception."""
-    from .cli import explain
+    from .config.compose import explain
 
     err.__context__ = exc
     return explain(err)

@@ -22,29 +22,24 @@ from typing import Any, Dict, List, Optional
 from . import rundir
 from .atomic_io import atomic_write_text
 
-WANDB_DEFAULTS = {"enabled": False, "project": "mfsdp-launch", "entity": None, "mode": "offline", "name": None,
-                  "tags": [], "dir": None}
-MLFLOW_DEFAULTS = {"enabled": False, "tracking_uri": None, "experiment": "mfsdp-launch", "run_name": None}
 
 
 def _warn(msg: str) -> None:
     print(f"mfsdp-train: warning: {msg}", file=sys.stderr, flush=True)
 
 
-def settings(logging_cfg, name: str, defaults: dict) -> dict:
-    """`logging.<name>` as a dict over `defaults`: a bool (enabled), a mapping, or absent (off)."""
-    node = getattr(logging_cfg, name, None) if logging_cfg is not None else None
-    if node is None and isinstance(logging_cfg, dict):
-        node = logging_cfg.get(name)
-    out = dict(defaults)
-    if isinstance(node, bool):
-        out["enabled"] = node
-    elif node is not None:
-        for key in defaults:
-            value = node.get(key, None) if hasattr(node, "get") else getattr(node, key, None)
-            if value is not None:
-                out[key] = list(value) if key == "tags" else value
-    return out
+def settings(logging_cfg, name: str) -> dict:
+    """`logging.<name>` as a plain dict, its defaults from the schema (config/schema.py). Also takes
+    a plain mapping, where `{"wandb": True}` means enabled."""
+    from omegaconf import OmegaConf
+
+    from .config.schema import LoggingConfig
+
+    node = logging_cfg if logging_cfg is not None else {}
+    if isinstance(node, dict):
+        node = {k: ({"enabled": v} if isinstance(v, bool) else v) for k, v in node.items()}
+    typed = OmegaConf.merge(OmegaConf.structured(LoggingConfig), node)
+    return OmegaConf.to_container(typed[name], resolve=True, enum_to_str=True)
 
 
 class _Ledger:
@@ -189,8 +184,8 @@ def open_trackers(logging_cfg, run_dir, resumed_step: int = 0, run_name: Optiona
     config = _frozen_config(run_dir)
     run_name = run_name or ((config or {}).get("run") or {}).get("name") or run_dir.name
     opened = []
-    for cls, defaults, package in ((_Wandb, WANDB_DEFAULTS, "wandb"), (_Mlflow, MLFLOW_DEFAULTS, "mlflow")):
-        cfg = settings(logging_cfg, cls.name, defaults)
+    for cls, package in ((_Wandb, "wandb"), (_Mlflow, "mlflow")):
+        cfg = settings(logging_cfg, cls.name)
         if not cfg["enabled"]:
             continue
         state = ledger.get(cls.name)

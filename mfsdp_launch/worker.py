@@ -105,6 +105,7 @@ def _train(cfg) -> int:
     from .metrics import device_peak_tflops
     from .runtime import (build_checkpoints, build_io, build_training, dist_env, full_iteration_graph, init_runtime,
                           val_batch_source)
+    from .stopping import StopControl
     from .watchdog import StallWatchdog
 
     watchdog = StallWatchdog(cfg.train.stall_dump_s, label=f"rank {dist_env()[0]}: ")
@@ -118,7 +119,14 @@ def _train(cfg) -> int:
     peak, peak_source = device_peak_tflops(rt.device, cfg.train.peak_tflops)
     if rt.rank == 0:
         _print_start(cfg, rt, tr, peak, peak_source)
-    stop_requested = _stop_control(Path(cfg.run.dir) / rundir.STOP, rt, watchdog)
+    # The STOP file, or SIGTERM/SIGINT/SIGHUP/SIGUSR1 sent straight to a rank (SLURM preemption):
+    # every rank checkpoints and stops at the same step.
+    stop = StopControl(cfg.run.dir, rt.rank, rt.control).install()
+
+    def stop_requested(step: int) -> bool:
+        watchdog.arm()  # called once per completed step
+        return stop.requested(step)
+
     ctx = LoopContext(
         engine=tr.engine, spec=tr.spec, optimizer=tr.optimizer, scheduler=tr.scheduler, next_batch=io.next_batch,
         forward_context=tr.forward_context, device=rt.device, world_size=rt.world_size, dp_size=rt.dims.dp_size,
@@ -151,32 +159,6 @@ def _print_start(cfg, rt, tr, peak, peak_source) -> None:
     frozen = f" ({len(tr.frozen)} frozen tensors)" if tr.frozen else ""
     print(f"model {cfg.model.name}: {tr.spec.num_params / 1e6:,.2f}M params{frozen}; engine {tr.engine.name}; "
           f"mesh {rt.dims.shape}; device {rt.device.type}; {mfu}", flush=True)
-
-
-def _stop_control(stop_file: Path, rt, watchdog):
-    """A collective `stop_requested(step)`: the STOP file (rank 0 looks) or SIGTERM/SIGINT sent
-    straight to a worker (SLURM preemption) asks every rank to checkpoint and stop."""
-    import signal
-
-    import torch
-    import torch.distributed as dist
-
-    got_signal = {"value": False}
-
-    def handler(signum, _frame):
-        got_signal["value"] = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
-    flag = torch.zeros(1, dtype=torch.int32)
-
-    def stop_requested(step: int) -> bool:
-        watchdog.arm()  # called once per completed step
-        flag.fill_(int(got_signal["value"] or (rt.rank == 0 and stop_file.exists())))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=rt.control)
-        return bool(flag.item())
-
-    return stop_requested
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def train(env, run_dir, *overrides):
 
 
 def weights(ckpt):
-    from mfsdp_launch.export import read_model_state
+    from mfsdp_launch.checkpoint.weights import read_model_state
 
     return read_model_state(ckpt)[0]
 

@@ -67,7 +67,7 @@ def refused(tmp_path, *overrides, env=None) -> str:
 
 @pytest.mark.slow
 def test_gpt_exports_to_transformers_and_init_from_restarts_at_its_loss(tmp_path, window):
-    from mfsdp_launch.export import read_model_state
+    from mfsdp_launch.checkpoint.weights import read_model_state
     from mfsdp_launch.models.gpt_modules import GPT
     from mfsdp_launch.models.llama_dims import GPTDims
 
@@ -98,7 +98,7 @@ def test_gpt_exports_to_transformers_and_init_from_restarts_at_its_loss(tmp_path
 
 @pytest.mark.slow
 def test_hf_llama_directory_trains_from_its_pretrained_weights_and_exports(tmp_path, window):
-    from mfsdp_launch.export import read_model_state
+    from mfsdp_launch.checkpoint.weights import read_model_state
 
     torch.manual_seed(0)
     pretrained = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()

@@ -80,7 +80,9 @@ def test_stray_tmp_is_ignored_and_must_fails_clearly(tmp_path):
     assert (stray / "checkpoints" / "step_2" / "manifest.json").is_file()
 
 
-def test_sigterm_to_the_launcher_saves_and_exits_0_then_resumes(tmp_path):
+def test_sigterm_to_the_launcher_saves_exits_interrupted_then_resumes(tmp_path):
+    from mfsdp_launch import exit_codes
+
     run_dir = tmp_path / "pre"
     env = dict(os.environ, PYTHONPATH=str(ROOT), MFSDP_CACHE_DIR=str(ROOT / ".pytest_cache" / "tokens"))
     proc = subprocess.Popen([sys.executable, "-m", "mfsdp_launch", *SMOKE, f"run.dir={run_dir}", "train.steps=100000"],
@@ -91,7 +93,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_then_resumes(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == exit_codes.INTERRUPTED, out[-3000:]  # not 0: `&& next` must not run
     assert "stopping at step" in out
     stopped = rows(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()

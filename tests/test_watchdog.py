@@ -99,7 +99,7 @@ dist.destroy_process_group()
 def test_a_stall_dumps_stacks_and_the_flight_recorder_per_rank(tmp_path):
     """Two gloo ranks; rank 1 is late to a collective. Rank 0's watchdog prints the frame it is
     blocked in and writes its flight recorder (the launcher turns it on: TORCH_FR_BUFFER_SIZE)."""
-    from mfsdp_launch.launch import diagnostics_env
+    from mfsdp_launch.rank_env import diagnostics_env
 
     script = tmp_path / "stall.py"
     script.write_text(WORKER)
@@ -150,7 +150,7 @@ def test_an_nccl_stall_dumps_the_nccl_flight_recorder(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from mfsdp_launch.launch import diagnostics_env
+    from mfsdp_launch.rank_env import diagnostics_env
 
     script = tmp_path / "stall_nccl.py"
     script.write_text(GPU_WORKER)

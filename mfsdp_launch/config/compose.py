@@ -140,3 +140,23 @@ def config_error_from(exc: BaseException) -> ConfigError:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "invalid value"
+
+
+def explain(exc: ConfigError) -> ConfigError:
+    """A YAML syntax error in a config file: name the file and line instead of the parser's
+    first words (the original error is the ConfigError's context)."""
+    e: Optional[BaseException] = exc
+    seen = []
+    while e is not None and e not in seen:
+        seen.append(e)
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None and getattr(mark, "name", None):
+            problem = getattr(e, "problem", None) or "invalid YAML"
+            context = getattr(e, "context", None)
+            return ConfigError(f"{mark.name}:{mark.line + 1}:{mark.column + 1}",
+                               f"YAML error: {problem}" + (f" ({context})" if context else ""))
+        e = e.__cause__ or e.__context__
+    return exc
+
+
+# --- the command ----------------------------------------------------------------------------------

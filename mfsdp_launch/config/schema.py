@@ -268,9 +268,40 @@ class LauncherConfig:
     force_memory: bool = False
 
 
+class WandbMode(Choice):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (the `wandb` extra); a resume re-attaches to the run id kept in run.dir."""
+
+    enabled: bool = False
+    project: str = "mfsdp-launch"
+    entity: Optional[str] = None
+    mode: WandbMode = WandbMode.offline
+    name: Optional[str] = None  # null: run.name
+    tags: List[str] = field(default_factory=list)
+    dir: Optional[str] = None  # null: run.dir
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (the `mlflow` extra); null tracking_uri: a file store in run.dir/mlruns."""
+
+    enabled: bool = False
+    tracking_uri: Optional[str] = None
+    experiment: str = "mfsdp-launch"
+    run_name: Optional[str] = None
+
+
 @dataclass
 class LoggingConfig:
     tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass

@@ -196,7 +196,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     """
     import torch
 
-    from ..export import read_model_state
+    from ..checkpoint.weights import read_model_state
 
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and not out.is_dir():
