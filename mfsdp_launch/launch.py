@@ -81,10 +81,15 @@ def prepare_run_dir(cfg, overrides: List[str]) -> Path:
 def already_finished(cfg) -> Optional[str]:
     """The one line saying there is nothing to train, when the checkpoint this run would resume
     from is at or beyond train.steps; None when there is training to do."""
-    from .checkpoint import checkpoints_dir, plan_resume
+    from .checkpoint import checkpoints_dir, plan_resume, verify_checksums
 
     plan = plan_resume(cfg.checkpoint, checkpoints_dir(cfg.run.dir))
     if plan.kind != "resume" or plan.step is None or plan.step < cfg.train.steps:
+        return None
+    try:  # a damaged final checkpoint is not a finished run: the ranks fall back past it
+        if verify_checksums(plan.found.path, plan.found.manifest) is not None:
+            return None
+    except OSError:
         return None
     where = f"{plan.found.path}" if not plan.own else f"{plan.found.name}"
     if plan.step == cfg.train.steps:
