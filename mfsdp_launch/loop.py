@@ -96,10 +96,10 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 if progress is not None:
                     progress.log(row)
                 ctx.metrics.write({**row, **(val_row or {})})  # one row per step
-            elif val_row is not None:
-                ctx.metrics.write(val_row)
                 if not math.isfinite(row["loss"]):
                     raise FloatingPointError(f"loss is {row['loss']} at step {state.step}")
+            elif val_row is not None:
+                ctx.metrics.write(val_row)
             if progress is not None:
                 progress.advance(state.step)
             blocked += ctx.checkpoints.maybe_save(state.step, model, ctx.optimizer, ctx.scheduler, state,
