@@ -18,8 +18,8 @@ from typing import List, Optional, Tuple
 from . import rundir
 from .console import eprint
 from .runstate import read_metrics
-from .sweep import (ALREADY_FINISHED, job_dirs_in, job_overrides, read_json, unescape_job_name,
-                    varying_overrides)
+from .sweep_summary import (ALREADY_FINISHED, job_dirs_in, job_overrides, read_json, unescape_job_name,
+                            varying_overrides)
 
 PANELS = (
     ("loss", "loss", "loss"),

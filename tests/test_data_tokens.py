@@ -11,7 +11,7 @@ import torch
 
 from mfsdp_launch.config import prepare
 from mfsdp_launch.corpus import doc_ids_from_eos, shards
-from mfsdp_launch.data import TokenBatches, check_data_config, microbatch_start
+from mfsdp_launch.data import TokenBatches, check_data_config
 from mfsdp_launch.errors import ConfigError
 from mfsdp_launch.loop import TrainState
 from mfsdp_launch.mesh import ParallelDims

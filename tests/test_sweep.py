@@ -13,7 +13,7 @@ import pytest
 
 from conftest import cli
 from mfsdp_launch import launch as launch_mod
-from mfsdp_launch import exit_codes, rundir, sweep
+from mfsdp_launch import exit_codes, rundir, sweep, sweep_summary
 
 SMALL = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
          "train.grad_accum_steps=1"]
@@ -94,7 +94,7 @@ def test_four_jobs_summary_then_rerun_skips_all(tmp_path, fake, capsys):
     assert len(rows) == 4 and {r["status"] for r in rows} == {"done"}
     assert rows[0]["overrides"] == "+recipe=cpu_smoke optim.lr=0.001 train.micro_batch_size=2 train.steps=3 run.name=t"
     assert float(rows[0]["tokens_per_s_per_gpu"]) == 2000.0 and rows[0]["mfu"] == ""
-    md = (sw / sweep.SUMMARY_MD).read_text()
+    md = (sw / rundir.SWEEP_SUMMARY_MD).read_text()
     assert md.count("| optim.lr=") == 4 and "tokens/s/GPU" in md and "MFU" in md
     assert "sweep summary" in out and "4 job(s): 4 done" in out
     for d in f.calls:
@@ -189,9 +189,9 @@ def test_summary_from_disk_counts_jobs_finished_elsewhere(tmp_path, capsys):
     (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "mfu": 0.25,
                                                          "tokens_per_s_per_gpu": 10.0,
                                                          "peak_mem_gib": 1.5}) + "\n" for s in (1, 2)))
-    rows = sweep.summarize(sweep.job_dirs_in(sw), sw)
+    rows = sweep_summary.summarize(sweep_summary.job_dirs_in(sw), sw)
     assert rows[0]["status"] == "done" and rows[0]["final_loss"] == 0.5 and rows[0]["step"] == 2
-    assert "25.0%" in (sw / sweep.SUMMARY_MD).read_text()
+    assert "25.0%" in (sw / rundir.SWEEP_SUMMARY_MD).read_text()
 
 
 def test_a_job_that_dies_under_a_launcher_aborts_with_exit_1(tmp_path, monkeypatch, capsys):
@@ -252,7 +252,7 @@ def test_acceptance_sweep_four_jobs_then_rerun_skips(tmp_path):
         run_dir = Path(x["run_dir"])
         assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "config.yaml").is_file()
         assert (run_dir / rundir.JOB_DONE).is_file()
-    md = (sw / sweep.SUMMARY_MD).read_text()
+    md = (sw / rundir.SWEEP_SUMMARY_MD).read_text()
     assert md.count("| optim.lr=") == 4
     assert "sweep summary" in r.stdout and "4 job(s): 4 done" in r.stdout
     assert not list(sw.rglob(".hydra"))

@@ -95,6 +95,6 @@ class TokenDataset:
 
 
 def _cache(cache_dir: Optional[str]) -> str:
-    from ..data import cache_dir_for
+    from .cache import cache_dir as resolve_cache_dir
 
-    return cache_dir_for({"cache_dir": cache_dir})
+    return resolve_cache_dir(cache_dir)

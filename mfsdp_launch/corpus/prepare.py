@@ -279,9 +279,9 @@ def _cmd_info(a) -> int:
 
 
 def _cache_dir() -> str:
-    from ..data import cache_dir_for
+    from .cache import cache_dir
 
-    return cache_dir_for({})
+    return cache_dir()
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -46,8 +46,6 @@ STDLIB_SKIP_DIRS = frozenset({
 SEPARATOR = b"\n\n"
 BYTE_VOCAB = 256
 CACHE_FORMAT_VERSION = 2  # 2: a prepared-format directory (1 was a flat .bin + .json sidecar)
-DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "mfsdp_launch", "tokens")
-CACHE_DIR_ENV = "MFSDP_CACHE_DIR"
 _GLOB_CHARS = set("*?[")
 
 
@@ -69,8 +67,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def cache_dir_for(data_cfg: Any) -> str:
     """``data.cache_dir``, else ``$MFSDP_CACHE_DIR``, else ``~/.cache/mfsdp_launch/tokens``."""
-    d = cfg_get(data_cfg, "cache_dir") or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR
-    return os.path.abspath(os.path.expanduser(str(d)))
+    from ..corpus.cache import cache_dir
+
+    return cache_dir(cfg_get(data_cfg, "cache_dir"))
 
 
 # ------------------------------------------------------------------------------------ files
