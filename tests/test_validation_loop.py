@@ -29,7 +29,7 @@ def batch(seed: int) -> dict:
     return {"x": x, "y": x.sum(-1, keepdim=True) + 0.1 * torch.randn(8, 1, generator=g)}
 
 
-def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, stop_at=None):
+def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, stop_at=None, nan_at=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -41,7 +41,9 @@ def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, sto
     metrics = MetricsWriter(tmp_path, enabled=True)
     ctx = LoopContext(engine=engine, spec=spec, optimizer=opt,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                      next_batch=lambda step, micro: batch(step), forward_context=contextlib.nullcontext,
+                      next_batch=lambda step, micro: batch(step) if step != nan_at else {"x": torch.full((8, 4), float("nan")),
+                                                                                           "y": torch.zeros(8, 1)},
+                      forward_context=contextlib.nullcontext,
                       device=torch.device("cpu"), world_size=1, dp_size=1, rank=1, peak_tflops=None,
                       metrics=metrics, checkpoints=types.SimpleNamespace(maybe_save=lambda *a, **k: 0.0),
                       stop_requested=lambda step: step == stop_at,
@@ -70,3 +72,8 @@ def test_a_final_validation_but_none_when_stopping_early(tmp_path):
     assert [r["step"] for r in rows if "val_loss" in r] == [6]  # val_interval=0: only after the last step
     stopped, _ = run(tmp_path / "stop", val_interval=2, stop_at=4)
     assert [r["step"] for r in stopped if "val_loss" in r] == [2]  # the stop at step 4 skips validation
+
+
+def test_a_non_finite_loss_still_stops_the_run_with_validation_on(tmp_path):
+    with pytest.raises(FloatingPointError, match="loss is nan at step 4"):
+        run(tmp_path / "nan", log_interval=1, val_interval=3, nan_at=3)  # step 4 trains on batch 3
