@@ -24,7 +24,7 @@ ATTEMPT = textwrap.dedent("""
     import sys
     from mfsdp_launch.metrics import MetricsWriter
     run_dir, tracker, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    cfg = {tracker: {"enabled": True, "project": "ops-test"}}
+    cfg = {tracker: dict(enabled=True, **({"project": "ops-test"} if tracker == "wandb" else {}))}
     w = MetricsWriter(run_dir, enabled=True, start_step=first - 1, logging_cfg=cfg)
     for step in range(first, last + 1):
         w.write({"step": step, "loss": 10.0 / step, "lr": 1e-3, "mfu": None})
