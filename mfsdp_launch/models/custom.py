@@ -14,8 +14,8 @@ from typing import List
 
 from ..errors import ConfigError
 from ..hf import probe as P
-from .family import ModelContext, ModelFamily, ModelSpec, find_module
-from .llama_dims import lm_flops_per_token
+from .family import ModelContext, ModelSpec, find_module
+from .measured import MeasuredFamily
 
 # gpt/toy dimension keys: the model's own code decides its dims.
 GPT_DIM_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "output_dim")
@@ -35,9 +35,8 @@ def kwargs_of(m) -> dict:
     return P.model_dict(kwargs)
 
 
-class CustomFamily(ModelFamily):
+class CustomFamily(MeasuredFamily):
     name = "custom"
-    measured = True
 
     def probe(self, m) -> dict:
         if not m.target:
@@ -54,31 +53,12 @@ class CustomFamily(ModelFamily):
                               "reset_parameters(), not model.init_fn", "null, or model.init_on_meta=false")
         return []
 
-    def vocab_size(self, m) -> int:
-        return self.probe(m)["vocab_size"]
-
     def n_heads(self, m):
         return (self.probe(m)["dims"] or {}).get("n_heads")
 
     def shape(self, m) -> dict:
         p = self.probe(m)
         return {"params": p["num_params"], "param_shapes": p["param_digest"], "vocab_size": p["vocab_size"]}
-
-    def param_count(self, m) -> int:
-        return self.probe(m)["num_params"]
-
-    def flops_per_token(self, m, seq_len: int) -> float:
-        p = self.probe(m)
-        d = p["dims"]
-        return lm_flops_per_token(p["matmul_params"], d["n_layers"], d["dim"], seq_len) if d else 6.0 * p["matmul_params"]
-
-    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
-        p = self.probe(m)
-        return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, m.activation_checkpointing != "none",
-                                  p["vocab_size"])
-
-    def largest_unit_params(self, m) -> int:
-        return self.probe(m)["largest_unit_params"]
 
     def describe(self, m, seq_len: int) -> str:
         p = self.probe(m)

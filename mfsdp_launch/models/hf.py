@@ -15,15 +15,14 @@ from typing import List
 from ..errors import ConfigError
 from ..hf import probe as P
 from .custom import GPT_DIM_KEYS, refuse_keys
-from .family import ModelContext, ModelFamily, ModelSpec, find_module
-from .llama_dims import lm_flops_per_token
+from .family import ModelContext, ModelSpec, find_module
+from .measured import MeasuredFamily
 
 PROBE = "mfsdp_launch.models.hf:probe_hf"
 
 
-class HFFamily(ModelFamily):
+class HFFamily(MeasuredFamily):
     name = "hf"
-    measured = True
 
     def probe(self, m) -> dict:
         from ..hf.hf_model import INSTALL_HINT, check_model_path
@@ -43,31 +42,12 @@ class HFFamily(ModelFamily):
         self.probe(m)
         return []
 
-    def vocab_size(self, m) -> int:
-        return self.probe(m)["vocab_size"]
-
     def n_heads(self, m):
         return self.probe(m)["n_heads"]
 
     def shape(self, m) -> dict:
         p = self.probe(m)
         return {"hf_class": p["hf_class"], "params": p["num_params"], "param_shapes": p["param_digest"]}
-
-    def param_count(self, m) -> int:
-        return self.probe(m)["num_params"]
-
-    def flops_per_token(self, m, seq_len: int) -> float:
-        p = self.probe(m)
-        d = p["dims"]
-        return lm_flops_per_token(p["matmul_params"], d["n_layers"], d["dim"], seq_len) if d else 6.0 * p["matmul_params"]
-
-    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
-        p = self.probe(m)
-        return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, m.activation_checkpointing != "none",
-                                  p["vocab_size"])
-
-    def largest_unit_params(self, m) -> int:
-        return self.probe(m)["largest_unit_params"]
 
     def describe(self, m, seq_len: int) -> str:
         p = self.probe(m)

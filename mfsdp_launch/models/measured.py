@@ -1,0 +1,36 @@
+"""Families whose numbers are measured, not derived: `custom` and `hf` build the model on the meta
+device in a short-lived process (hf/probe.py) and read parameter count, matmul weights, units and
+vocabulary off it. The launcher never imports torch or the user's code for them."""
+
+from __future__ import annotations
+
+from ..hf import probe as P
+from .family import ModelFamily
+from .llama_dims import lm_flops_per_token
+
+
+class MeasuredFamily(ModelFamily):
+    measured = True
+
+    def probe(self, m) -> dict:
+        """The meta-device measurements of this model config (cached for the run)."""
+        raise NotImplementedError
+
+    def vocab_size(self, m) -> int:
+        return self.probe(m)["vocab_size"]
+
+    def param_count(self, m) -> int:
+        return self.probe(m)["num_params"]
+
+    def flops_per_token(self, m, seq_len: int) -> float:
+        p = self.probe(m)
+        d = p["dims"]
+        return lm_flops_per_token(p["matmul_params"], d["n_layers"], d["dim"], seq_len) if d else 6.0 * p["matmul_params"]
+
+    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
+        p = self.probe(m)
+        return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, m.activation_checkpointing != "none",
+                                  p["vocab_size"])
+
+    def largest_unit_params(self, m) -> int:
+        return self.probe(m)["largest_unit_params"]
