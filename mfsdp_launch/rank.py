@@ -21,4 +21,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .worker import leave
+
+    leave(main())

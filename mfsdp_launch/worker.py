@@ -1,7 +1,7 @@
 """One rank of a training job: the module that wires config -> mesh -> engine -> loop -> checkpoint,
 through the builders in runtime.py.
 
-Started by torchrun as `python -m mfsdp_launch.worker --config RUN_DIR/config.yaml`.
+Started on every rank by `python -m mfsdp_launch.rank --config RUN_DIR/config.yaml` (rank.py).
 """
 
 from __future__ import annotations
@@ -161,11 +161,14 @@ def _print_start(cfg, rt, tr, peak, peak_source) -> None:
           f"mesh {rt.dims.shape}; device {rt.device.type}; {mfu}", flush=True)
 
 
-if __name__ == "__main__":
-    exit_code = main()
-    # Leave without interpreter teardown: the process groups are destroyed and every file closed,
-    # and C++ destructors of gloo's threads at exit have aborted a rank ("terminate called without
-    # an active exception") after a run that had finished.
+def leave(exit_code: int) -> NoReturn:
+    """Exit without interpreter teardown: the process groups are destroyed and every file closed
+    by now, and C++ destructors of gloo's threads at exit have aborted a rank ("terminate called
+    without an active exception") after a run that had finished."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    leave(main())
