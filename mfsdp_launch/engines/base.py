@@ -43,7 +43,7 @@ class Engine(ABC):
         params = [p for p in model.parameters() if p.grad is not None]
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
         for p in params:
-            sq += local_tensor(p.grad).float().pow(2).sum()
+            sq += local_tensor(p.grad).float().pow(2).sum() * self.grad_square_weight(p.grad)
         group = self.grad_norm_group()
         if group is not None:
             dist.all_reduce(sq, group=group)
@@ -55,8 +55,12 @@ class Engine(ABC):
         return total
 
     def grad_norm_group(self):
-        """Process group over which gradient shards are disjoint (their squares add up)."""
+        """Process group over which the weighted local squares add up to the global norm's square."""
         return None
+
+    def grad_square_weight(self, grad: torch.Tensor) -> float:
+        """How much this rank's squares of `grad` count in that sum (1: the shards are disjoint)."""
+        return 1.0
 
     @abstractmethod
     def state_dict(self, model, optimizer) -> Dict[str, Any]:

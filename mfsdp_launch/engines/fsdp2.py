@@ -19,7 +19,7 @@ import torch
 from ..config.sharding import ZeroStrategy
 from ..mesh import replicate_mesh
 from ..precision import torch_dtype
-from .base import Engine, local_tensor
+from .base import Engine
 
 
 class FSDP2Engine(Engine):
@@ -65,27 +65,20 @@ class FSDP2Engine(Engine):
     def set_grad_sync(self, model, sync: bool) -> None:
         model.set_requires_gradient_sync(sync)
 
-    def clip_grad_norm(self, model, max_norm):
-        if self.dims.tp == 1:
-            return super().clip_grad_norm(model, max_norm)
+    def grad_square_weight(self, grad) -> float:
         # 2-D (dp, tp) and 1-D (dp) gradients side by side: weight each rank's local squares by
         # (distinct shards / world), so one all-reduce over all ranks counts every element once.
+        if self.dims.tp == 1:
+            return 1.0
         import torch.distributed as dist
 
-        params = [p for p in model.parameters() if p.grad is not None]
-        world = dist.get_world_size()
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for p in params:
-            sq += local_tensor(p.grad).float().pow(2).sum() * (_distinct_shards(p.grad) / world)
-        dist.all_reduce(sq)
-        total = sq.sqrt()
-        if max_norm is not None:
-            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for p in params:
-                local_tensor(p.grad).mul_(scale.to(local_tensor(p.grad).dtype))
-        return total
+        return _distinct_shards(grad) / dist.get_world_size()
 
     def grad_norm_group(self):
+        if self.dims.tp > 1:
+            import torch.distributed as dist
+
+            return dist.group.WORLD
         if ZeroStrategy(self.sharding_cfg.zero_dp_strategy) is ZeroStrategy.no_shard or self.dims.dp_shard == 1:
             return None
         return self.mesh["dp_shard"].get_group()
