@@ -13,7 +13,7 @@ from ..engines import EngineCaps, engine_caps
 from ..errors import ConfigError
 from ..globs import check_globs_match
 from ..mesh import ParallelDims, world_size
-from ..models import ModelContext, family
+from ..models import FAMILIES, ModelContext, family
 from ..models.family import check_family_keys
 from ..models.meta import meta_names, meta_names_isolated
 from . import machine
@@ -111,7 +111,7 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
         raise ConfigError("fp8.skip", "modules built with FP8 weights cannot run in high precision",
                           "[] with fp8.params=true, or fp8.params=false")
     if not family(cfg.model.name).has_te_layers:
-        te_models = [name for name, fam in _families() if fam.has_te_layers]
+        te_models = [name for name, fam in FAMILIES.items() if fam.has_te_layers]
         raise ConfigError("fp8.recipe", f"'{f.recipe}' would do nothing: model={cfg.model.name} has no "
                           "Transformer Engine layers", "none, or model=" + "|".join(te_models))
     if f.amax_history_len < 1:
@@ -130,12 +130,6 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
     if f.recipe != FP8Recipe.mxfp8 and not cfg.engine.keep_fp8_transpose_cache:
         raise ConfigError("engine.keep_fp8_transpose_cache", "false, but FP8 parameters need it (except "
                           "mxfp8)", "true")
-
-
-def _families():
-    from ..models import FAMILIES
-
-    return FAMILIES.items()
 
 
 def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
@@ -227,7 +221,7 @@ def _check_data(cfg) -> None:
     check_data_config(cfg.data, vocab_size=fam.vocab_size(cfg.model), train=cfg.train)
     if cfg.data.doc_mask and not fam.doc_mask:
         raise ConfigError("data.doc_mask", f"model={fam.name} cannot mask attention per document",
-                          ["false"] + [f"model={name}" for name, f in _families() if f.doc_mask])
+                          ["false"] + [f"model={name}" for name, f in FAMILIES.items() if f.doc_mask])
 
 
 def _check_train(cfg, caps: EngineCaps) -> List[str]:
