@@ -152,8 +152,10 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
                               f"1 with engine={caps.name}, or engine=megatron_fsdp")
         if not fam.model_parallel:
             raise ConfigError(key, f"model={fam.name} has no tensor/context parallelism yet", "1")
-    if cfg.train.seq_len % dims.cp:
-        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.cp={dims.cp}")
+    if dims.cp > 1 and cfg.train.seq_len % (2 * dims.cp):
+        # models/cp_layout.py: each cp rank holds two of 2*cp equal chunks (load balance).
+        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by 2*mesh.cp={2 * dims.cp}",
+                          f"a multiple of {2 * dims.cp}")
     if (m.freeze or cfg.fp8.skip) and not fam.measured:
         _check_name_globs(cfg, fam)
     return warnings
