@@ -107,6 +107,7 @@ def test_hf_llama_directory_trains_from_its_pretrained_weights_and_exports(tmp_p
     out = train(run, "model=hf", f"model.path={tmp_path / 'llama'}", "model.pretrained=true", "train.steps=2",
                 f"data.path={window}")
     assert "model.pretrained: loaded" in out.stdout and "model hf:" in out.stdout, out.stdout
+    assert "host RSS peak per rank during the load" in out.stdout, out.stdout
     batch = window_batch(window)
     with torch.no_grad():
         logits = pretrained(batch["input_ids"]).logits

@@ -42,6 +42,32 @@ class LoadReport:
     bytes_read: int = 0
     files: int = 0
     unused: List[str] = field(default_factory=list)
+    host_rss_before: float = 0.0  # bytes resident when the load began
+    host_rss_peak: float = 0.0  # the process's peak resident bytes during the load (Linux VmHWM)
+
+
+def host_memory() -> Tuple[float, float]:
+    """(resident, peak resident) bytes of this process, from /proc/self/status; zeros elsewhere."""
+    values = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key, kib = line.split()[:2]
+                    values[key] = float(kib) * 1024
+    except OSError:
+        pass
+    return values.get("VmRSS:", 0.0), values.get("VmHWM:", 0.0)
+
+
+def reset_peak_host_memory() -> None:
+    """Restart the kernel's peak-RSS counter (VmHWM) at the current RSS, so the peak seen after a
+    load is the load's own, not start-up's; a no-op where /proc/self/clear_refs is missing."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def weight_files(hf_dir: str | Path, *, key: str) -> Dict[str, Path]:
@@ -218,12 +244,35 @@ def load_into_model(model, hf_dir: str | Path, *, engine=None,
     """Load HF weights into a (possibly sharded) model: through `engine.state_dict` /
     `engine.load_state_dict` when an engine is given (a collective then), else the plain
     `model.state_dict()`, whose tensors share the parameters' storage."""
+    reset_peak_host_memory()
+    before = host_memory()[0]
     if engine is None:
-        return load_hf_weights(model.state_dict(), hf_dir, sources=sources, key=key)
-    state = engine.state_dict(model, None)
-    report = load_hf_weights(state["model"], hf_dir, sources=sources, key=key)
-    engine.load_state_dict(model, None, state)
+        report = load_hf_weights(model.state_dict(), hf_dir, sources=sources, key=key)
+    else:
+        state = engine.state_dict(model, None)
+        report = load_hf_weights(state["model"], hf_dir, sources=sources, key=key)
+        engine.load_state_dict(model, None, state)
+    report.host_rss_before, report.host_rss_peak = before, max(before, host_memory()[1])
     return report
+
+
+def announce(report: LoadReport, *, key: str, source: str) -> None:
+    """One line on rank 0: what rank 0 read, and every rank's host memory during the load (the
+    peak per rank is what must stay near a rank's shard). A collective when distributed."""
+    import torch.distributed as dist
+
+    mine = (report.host_rss_before, report.host_rss_peak)
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        if dist.get_rank() != 0:
+            return
+    gib = 2**30
+    peaks = [p for _, p in ranks]
+    print(f"{key}: {describe(report)} (rank 0) from {source}; host RSS peak per rank during the load "
+          f"{min(peaks) / gib:.2f}-{max(peaks) / gib:.2f} GiB (from {min(b for b, _ in ranks) / gib:.2f}-"
+          f"{max(b for b, _ in ranks) / gib:.2f} GiB before it)", flush=True)
 
 
 def describe(report: LoadReport) -> str:

@@ -67,15 +67,12 @@ class GPTFamily(ModelFamily):
     def load_weights(self, m, model, engine) -> None:
         if not m.init_from:
             return
-        import torch.distributed as dist
-
         from ..hf import llama_keys
-        from ..hf.load import describe, load_into_model
+        from ..hf.load import announce, load_into_model
 
         report = load_into_model(model, m.init_from, engine=engine, key="model.init_from",
                                  sources=llama_keys.sources(self.dims(m), self.name))
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"model.init_from: {describe(report)} (rank 0) from {m.init_from}", flush=True)
+        announce(report, key="model.init_from", source=m.init_from)
 
     def n_heads(self, m) -> int:
         return self.dims(m).n_heads

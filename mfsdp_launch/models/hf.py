@@ -84,13 +84,10 @@ class HFFamily(MeasuredFamily):
     def load_weights(self, m, model, engine) -> None:
         if not m.pretrained:
             return
-        import torch.distributed as dist
-
-        from ..hf.load import describe, load_into_model
+        from ..hf.load import announce, load_into_model
 
         report = load_into_model(model, m.path, engine=engine, key="model.pretrained")
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"model.pretrained: {describe(report)} (rank 0) from {m.path}", flush=True)
+        announce(report, key="model.pretrained", source=m.path)
 
 
 # ------------------------------------------------------------------ the probe (imports torch)
