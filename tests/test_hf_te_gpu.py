@@ -29,7 +29,7 @@ def test_te_gpt_exports_to_and_loads_from_transformers(tmp_path, tie):
     from mfsdp_launch.hf import llama_keys, load
     from mfsdp_launch.hf.export import export_gpt_state
     from mfsdp_launch.models.llama_dims import GPTDims
-    from mfsdp_launch.models.te_models import TEGPT
+    from mfsdp_launch.models.te_modules import TEGPT
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dims = GPTDims(tie_embeddings=tie, **DIMS)
@@ -54,3 +54,48 @@ def test_te_gpt_exports_to_and_loads_from_transformers(tmp_path, tie):
     assert report.unused == []
     with torch.no_grad():
         assert torch.equal(fresh(ids), te_logits)  # same weights, same kernels: bit-identical
+
+
+def test_te_gpt_cli_export_and_init_from_restart_at_the_same_loss(tmp_path):
+    """Through the CLI on one GPU under Megatron-FSDP: a trained te_gpt exports with `--format hf`,
+    transformers loads it with te_gpt's logits, and `model.init_from` restarts at the loss the
+    exporting run had at that step (same weights, same batch)."""
+    _te_or_skip()
+    import torch
+    import transformers
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from test_hf_e2e import export_hf, losses, train, window_batch
+
+    from mfsdp_launch.checkpoint.weights import read_model_state
+    from mfsdp_launch.hf.config import read_llama_dims
+    from mfsdp_launch.models.te_modules import TEGPT
+
+    window = tmp_path / "window.txt"
+    window.write_bytes((b"The quick brown fox jumps over the lazy dog. " * 2)[:33])
+    gpu = ["model=te_gpt", "engine=megatron_fsdp", "engine.backend=nccl", "launcher.nproc_per_node=1",
+           f"data.path={window}", "model.n_kv_heads=2"]
+    a, b = tmp_path / "A", tmp_path / "B"
+    train(a, "train.steps=3", "checkpoint.interval=2", *gpu)
+    hf_dir = export_hf(a / "checkpoints" / "step_2", tmp_path / "hf")
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dims = read_llama_dims(hf_dir, key="model.init_from")  # the exported dims: tiny preset, 2 kv heads
+    with torch.device("cuda"):
+        ours = TEGPT(dims, params_dtype=torch.float32).eval()
+    state = read_model_state(a / "checkpoints" / "step_2")[0]
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                               attn_implementation="sdpa").cuda().eval()
+    ids = window_batch(window)["input_ids"].cuda()
+    with torch.no_grad():
+        diff = (ours(ids) - theirs(ids).logits).abs().max().item()
+    print(f"te_gpt (CLI-trained) -> HF max abs logit diff {diff:.2e}")
+    assert diff <= TOLERANCE, diff
+
+    out = train(b, "train.steps=1", f"model.init_from={hf_dir}", *gpu)
+    assert "model.init_from: loaded" in out.stdout, out.stdout
+    print(f"losses: exporting run at step 3 {losses(a)[3]:.6f}, init_from at step 1 {losses(b)[1]:.6f}")
+    assert losses(b)[1] == pytest.approx(losses(a)[3], rel=1e-5, abs=0)
