@@ -122,7 +122,12 @@ def build_training(cfg, rt: Runtime) -> Training:
     apply_model_parallel(model, cfg, rt)
     model = engine.shard(model, spec, init_on_meta=cfg.model.init_on_meta)
     family(cfg.model.name).load_weights(cfg.model, model, engine)  # model.pretrained / model.init_from
-    forward_model = torch.compile(model) if cfg.train.compile else model
+    if cfg.train.compile:
+        from .models.compiling import compile_model
+
+        forward_model = compile_model(model, spec.unit_modules)
+    else:
+        forward_model = model
     optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda"))
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()
     return Training(spec, model, forward_model, engine, optimizer, scheduler, fp8_recipe, frozen, kept)

@@ -39,11 +39,11 @@ def apply_activation_checkpointing(model: nn.Module, mode, every: int = 1) -> Li
     indices = checkpointed_blocks(len(model.layers), mode, every)
     for i in indices:
         block = model.layers[i]
-        block.forward = _checkpointed(block.forward, te=_is_te_layer(block))
+        block.forward = _checkpointed(block.forward, te=is_te_module(block))
     return indices
 
 
-def _is_te_layer(module: nn.Module) -> bool:
+def is_te_module(module: nn.Module) -> bool:
     return type(module).__module__.startswith("transformer_engine") or any(
         c.__module__.startswith("transformer_engine") for c in type(module).__mro__)
 
