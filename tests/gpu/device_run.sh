@@ -2,6 +2,7 @@
 # The GPU work of one device call, after the devkit setup (see /work/shared/device/README.md):
 #   source /tmp/devkit/env.sh; bash tests/gpu/device_run.sh PHASE [SECONDS]
 # Phases: smoke (optimizer/resume/no-mesh/frozen/dtype cases), core (the other non-TE GPU tests),
+# tests (the files in $TESTS), bench (scripts/bench.py $BENCH),
 # e2e_bench_gpt (CLI runs + the 1.4B GPT benchmark), te (TE GPU tests + the TE model tests),
 # te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
@@ -44,6 +45,10 @@ case "$phase" in
     timeout "$left" python3 scripts/bench.py ${BENCH:---group gpt} 2>&1 | tee -a "$log" ;;
   te)
     timeout "$budget" $PYTEST tests/test_models.py tests/gpu/test_te_megatron_fsdp.py 2>&1 | tee -a "$log" ;;
+  tests)  # TESTS: the test files (and -k ...) to run, e.g. TESTS="tests/gpu/test_cp_gpu.py"
+    timeout -k 10 "$budget" $PYTEST ${TESTS:?TESTS} 2>&1 | tee -a "$log" ;;
+  bench)  # BENCH: bench.py arguments, e.g. BENCH="--group ac_peak --group ac8b"
+    timeout -k 10 "$budget" python3 scripts/bench.py ${BENCH:?BENCH} 2>&1 | tee -a "$log" ;;
   te_e2e_bench)
     timeout 400 $PYTEST tests/gpu/test_e2e.py -k test_te_ -s 2>&1 | tee -a "$log"; reap
     left=$(( budget - ($(date +%s) - start) ))
