@@ -13,6 +13,10 @@ throughput.png are re-rendered through scripts/bench.py's `render`.
   python3 scripts/bench_peers.py --dry                  # the commands, in order; runs nothing
   python3 scripts/bench_peers.py                        # one round (fits one 10-minute device call)
   python3 scripts/bench_peers.py --only tt_compile      # one entry by its short name
+  python3 scripts/bench_peers.py --merge OUT/peers_rows.json   # here: merge a device call's rows, render
+
+On the device only $OUT comes back, so each run also writes its rows to $OUT/peers_rows.json
+(next to the logs); `--merge` puts them into bench/results.json on this machine.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ SEQ, MBS = 2048, 4
 STEPS = 40
 WARMUP = 10  # samples from steps/iterations >= this count
 GROUP = "peers"
+ROWS = "peers_rows.json"
 LLAMA = dict(model="llama", preset="1.4b", seq=SEQ, mbs=MBS, precision="bf16")
 
 # short name -> the row it writes. kind: run_sh (a run.sh mode), tt (torchtitan with extra flags),
@@ -228,8 +233,12 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per peer run")
     ap.add_argument("--kit", default=str(KIT))
     ap.add_argument("--logs", default=os.environ.get("OUT", str(bench.OUT / "peers_logs")))
+    ap.add_argument("--tag", default="", help="suffix for the row names (keeps rows of separate calls apart)")
     ap.add_argument("--dry", action="store_true", help="print the commands; run nothing")
+    ap.add_argument("--merge", nargs="+", help="peers_rows.json files from device calls: merge and render")
     a = ap.parse_args()
+    if a.merge:
+        return merge(a.merge)
     unknown = [n for n in a.only if n not in ENTRIES]
     if unknown:
         print(f"bench_peers: unknown entry {unknown[0]!r} (allowed: {', '.join(ENTRIES)})", file=sys.stderr)
@@ -263,9 +272,10 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     res = bench.load_results()
     res["device"] = f"{torch.cuda.device_count()}x {device}"
+    rows: Dict[str, dict] = {}
     with open(logs / "launcher.log", "a") as log:
         for r, n in plan:
-            e = dict(ENTRIES[n], name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else ""))
+            e = dict(ENTRIES[n], name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else "") + a.tag)
             if e["kind"] == "launcher":
                 row = run_ours(e, a.steps, logs, log)
             else:
@@ -275,10 +285,26 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
             row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             res["runs"][row["name"]] = row
             bench.save_results(res)
+            rows[row["name"]] = row
+            (logs / ROWS).write_text(json.dumps({"device": res["device"], "runs": rows}, indent=1, sort_keys=True))
             tps = f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU" if row.get("ok") else "FAILED"
             print(f"[round {r}] {n}: {row['name']}: {tps} ({row.get('wall_s', '?')} s)", flush=True)
             if not row.get("ok"):
                 print("   " + str(row.get("error", ""))[-600:].replace("\n", "\n   "), flush=True)
+    bench.render(res)
+    append_notes(res)
+    return 0
+
+
+def merge(paths: List[str]) -> int:
+    """Rows written on the device ($OUT/peers_rows.json) into bench/results.json; then render."""
+    res = bench.load_results()
+    for path in paths:
+        got = json.loads(Path(path).read_text())
+        res["runs"].update(got["runs"])
+        res["device"] = got.get("device", res.get("device"))
+        print(f"merged {len(got['runs'])} row(s) from {path}")
+    bench.save_results(res)
     bench.render(res)
     append_notes(res)
     return 0

@@ -2,6 +2,7 @@
 (torchtitan 0.3.0 components/metrics.py, Automodel 0.7.0 recipes/llm/benchmark.py), the median
 after warm-up, the --dry plan and the rows as scripts/bench.py renders them."""
 
+import json
 import subprocess
 import sys
 
@@ -85,9 +86,12 @@ def test_rows_render_in_bench_results(tmp_path, monkeypatch):
     tt["mfu"] = bp.mfu_of(tt["tokens_per_s_per_gpu"], 989.0)
     ours = dict(bp.ENTRIES["mfsdp"], group=bp.GROUP, kind="launcher", fp8_params=False, world=2, ok=True,
                 tokens_per_s_per_gpu=41_828.0, mfu=0.38, peak_mem_gib=31.5)
-    res = {"device": "2x NVIDIA H200", "runs": {r["name"]: r for r in (tt, ours)}}
-    bench.render(res)
-    bp.append_notes(res)
+    # what a device call leaves in $OUT, merged here into bench/results.json and rendered
+    rows = tmp_path / "out" / bp.ROWS
+    rows.parent.mkdir()
+    rows.write_text(json.dumps({"device": "2x NVIDIA H200", "runs": {r["name"]: r for r in (tt, ours)}}))
+    assert bp.merge([str(rows)]) == 0
+    assert set(json.loads((tmp_path / "results.json").read_text())["runs"]) == {tt["name"], ours["name"]}
     md = (tmp_path / "results.md").read_text()
     assert "| peer_torchtitan_flex_nocg_1.4b_bf16_mbs4 | torchtitan 0.3.0 FSDP2 | llama 1.4b | 2048 | 4 |" in md
     assert "38,522" in md and "41,828" in md
