@@ -168,8 +168,8 @@ def commands(e: dict, kit: Path, logs: Path, launcher_steps: int) -> List[List[s
     return [[sys.executable, "-m", "mfsdp_launch", *launcher_overrides(e, launcher_steps, logs / e["name"])]]
 
 
-def launcher_overrides(e: dict, steps: int, run_dir: Path) -> List[str]:
-    return [*bench.launcher_args(e, WORLD, steps, 5, run_dir), *e.get("extra", [])]
+def launcher_overrides(e: dict, steps: int, run_dir: Path, world: int = WORLD) -> List[str]:
+    return [*bench.launcher_args(e, world, steps, 5, run_dir), *e.get("extra", [])]
 
 
 def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
@@ -202,17 +202,17 @@ def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
     return dict(row, ok=True, **got)
 
 
-def run_ours(e: dict, steps: int, logs: Path, log) -> dict:
+def run_ours(e: dict, steps: int, logs: Path, log, world: int = WORLD, group: str = GROUP) -> dict:
     """A launcher row as scripts/bench.py's run_launcher makes it (medians of metrics.jsonl after the
     first row), with this entry's extra overrides (train.compile=true)."""
     run_dir = logs / e["name"]  # its metrics.jsonl and rank logs come back with the peers' logs
-    cmd = [sys.executable, "-m", "mfsdp_launch", *launcher_overrides(e, steps, run_dir)]
+    cmd = [sys.executable, "-m", "mfsdp_launch", *launcher_overrides(e, steps, run_dir, world)]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=bench._env(), capture_output=True, text=True, timeout=600)
     log.write(f"\n=== {e['name']} ({time.time() - t0:.0f} s, exit {proc.returncode})\n$ {shlex.join(cmd)}\n"
               f"{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}\n")
     log.flush()
-    row = dict(e, group=GROUP, kind="launcher", fp8_params=False, world=WORLD)
+    row = dict(e, group=group, kind="launcher", fp8_params=False, world=world)
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     if proc.returncode != 0 or not rows:

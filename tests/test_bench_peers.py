@@ -98,3 +98,20 @@ def test_rows_render_in_bench_results(tmp_path, monkeypatch):
     assert f"**{41_828 / 38_522:.3f}x**" in md
     # the same FLOP convention as the launcher's rows: 38.5k tokens/s/GPU of the 1.4B is ~35 % of 989 TF
     assert 0.30 < tt["mfu"] < 0.40
+
+
+def test_every_launcher_entry_passes_validation():
+    """No bench entry is refused before it spawns (the device call would be wasted)."""
+    import bench_small
+    from pathlib import Path
+
+    from mfsdp_launch.config import prepare
+
+    ours = [e for e in bp.ENTRIES.values() if e["kind"] == "launcher"]
+    small = bench_small.matrix()
+    assert len(small) == 24 and {e["variant"] for e in small} == {"eager", "compile", "graph"}
+    for e in ours + small:
+        args = bp.launcher_overrides(e, 30, Path("/nonexistent") / e["name"], e.get("world", bp.WORLD))
+        cfg, _ = prepare(args, check_hardware=False)
+        assert cfg.launcher.nproc_per_node == e.get("world", bp.WORLD)
+        assert cfg.train.micro_batch_size == e["mbs"]
