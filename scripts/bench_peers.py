@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,13 +70,16 @@ DEFAULT = ["tt_nocg", "mfsdp", "am_fsdp2", "fsdp2", "tt_compile", "mfsdp_compile
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # torchtitan components/metrics.py: "step: 10  loss: ...  memory: 30.12GiB(21.5%)  tps: 38,522  tflops: ..."
 TT_LINE = re.compile(r"step:\s*(\d+)\s.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
-# Automodel recipes/llm/benchmark.py (rank 0): "Rank 0 | Iteration 12 | ... Max Memory Allocated: 25.1 GB ...",
-# then "Max iter time: 0.293 seconds"; its global batch from "... Global batch size: 8".
+# Automodel through its CLI app (`nemo_automodel.cli.app`, what run.sh starts) runs the recipe's
+# inherited train_ft loop, which logs on rank 0 (recipes/llm/train_ft.py):
+#   "step 12 | epoch 0 | loss 10.4321 | grad_norm 1.2345 | lr 3.00e-04 | mem 25.10 GiB | tps 55878.00(27939.00/gpu) | ..."
+AM_TPS = re.compile(r"step (\d+) \|.*?mem ([\d.]+) GiB \| tps [\d.]+\(([\d.]+)/gpu\)")
+# Its run_benchmark() loop (recipes/llm/benchmark.py) logs instead "Rank 0 | Iteration 12 | ...
+# Max Memory Allocated: 25.1 GB ...", then "Max iter time: 0.293 seconds", and its batch once as
+# "... Global batch size: 8"; read too, in case a version routes the CLI there.
 AM_ITER = re.compile(r"Iteration (\d+)\b(?:.*?Max Memory Allocated:\s*([\d.]+) GB)?")
 AM_TIME = re.compile(r"Max iter time:\s*([\d.]+) seconds")
 AM_GBS = re.compile(r"Global batch size:\s*(\d+)")
-# Automodel's training recipes (train_ft.py): "step 12 | ... | mem 25.10 GiB | tps 81234.00(40617.00/gpu) | ..."
-AM_TPS = re.compile(r"step (\d+) \|.*?mem ([\d.]+) GiB \| tps [\d.]+\(([\d.]+)/gpu\)")
 
 Sample = Tuple[int, float, Optional[float]]  # (step, tokens/s/GPU, memory GiB or None)
 
@@ -91,8 +95,8 @@ def parse_torchtitan(text: str) -> List[Sample]:
 
 
 def parse_automodel(text: str, seq_len: int = SEQ, world: int = WORLD) -> List[Sample]:
-    """Automodel's benchmark recipe: tokens/s/GPU = global batch x seq / world / max iteration time
-    (the slowest rank's). Its training recipes' `tps X(Y/gpu)` lines are read too."""
+    """Automodel's `tps X(Y/gpu)` lines (Y is tokens/s/GPU); or, from its run_benchmark loop,
+    global batch x seq / world / max iteration time (the slowest rank's)."""
     text = ANSI.sub("", text)
     gbs = AM_GBS.search(text)
     out, it, mem = [], None, None
@@ -172,13 +176,35 @@ def launcher_overrides(e: dict, steps: int, run_dir: Path, world: int = WORLD) -
     return [*bench.launcher_args(e, world, steps, 5, run_dir), *e.get("extra", [])]
 
 
+def run_group(cmd: List[str], timeout: int, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run in its own process group: on timeout the whole group (torchrun and its
+    ranks) is stopped, so nothing of a timed-out run holds a GPU during the next one. rc 124."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, err = proc.communicate(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                out, err = None, None
+        return subprocess.CompletedProcess(cmd, 124, out or "", (err or "") + f"\ntimed out after {timeout} s")
+
+
 def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
     t0 = time.time()
     env = peer_env(kit, logs)
+    env.update(T_NOCG=str(timeout), T_AM=str(timeout), T_CG=str(timeout))  # run.sh's per-mode limits
     log_path = logs / e["log"]
     rc = 0
     if e["kind"] == "run_sh":
-        rc = subprocess.run(commands(e, kit, logs, 0)[0], cwd=ROOT, env=env, timeout=timeout + 60).returncode
+        rc = run_group(commands(e, kit, logs, 0)[0], timeout + 60, cwd=ROOT, env=env).returncode
     else:
         install, cmd = commands(e, kit, logs, 0)
         env["PYTHONPATH"] = f"/tmp/ttsite:{kit}"
@@ -186,11 +212,8 @@ def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
         Path("/tmp/ttrun").mkdir(exist_ok=True)
         subprocess.run(install, env=env, check=True)
         with open(log_path, "w") as f:
-            try:
-                rc = subprocess.run(cmd, cwd="/tmp/ttrun", env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
+            rc = run_group(cmd, timeout, cwd="/tmp/ttrun", env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+            f.flush()
             f.write(f"rc={rc} wall_s={time.time() - t0:.0f} flags: {' '.join(e['flags'])}\n")
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     got = summarize(PARSERS[e["parser"]](text))
@@ -202,13 +225,15 @@ def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
     return dict(row, ok=True, **got)
 
 
-def run_ours(e: dict, steps: int, logs: Path, log, world: int = WORLD, group: str = GROUP) -> dict:
+def run_ours(e: dict, steps: int, logs: Path, log, world: int = WORLD, group: str = GROUP,
+             timeout: int = 400) -> dict:
     """A launcher row as scripts/bench.py's run_launcher makes it (medians of metrics.jsonl after the
     first row), with this entry's extra overrides (train.compile=true)."""
     run_dir = logs / e["name"]  # its metrics.jsonl and rank logs come back with the peers' logs
     cmd = [sys.executable, "-m", "mfsdp_launch", *launcher_overrides(e, steps, run_dir, world)]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=bench._env(), capture_output=True, text=True, timeout=600)
+    proc = run_group(cmd, timeout, cwd=ROOT, env=bench._env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True)
     log.write(f"\n=== {e['name']} ({time.time() - t0:.0f} s, exit {proc.returncode})\n$ {shlex.join(cmd)}\n"
               f"{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}\n")
     log.flush()
@@ -277,7 +302,7 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
         for r, n in plan:
             e = dict(ENTRIES[n], name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else "") + a.tag)
             if e["kind"] == "launcher":
-                row = run_ours(e, a.steps, logs, log)
+                row = run_ours(e, a.steps, logs, log, timeout=a.timeout + 120)
             else:
                 row = run_peer(e, kit, logs, a.timeout)
                 if row.get("ok"):

@@ -1,5 +1,6 @@
 """scripts/bench_peers.py without a GPU: the peers' log parsers on lines in their exact formats
-(torchtitan 0.3.0 components/metrics.py, Automodel 0.7.0 recipes/llm/benchmark.py), the median
+(torchtitan 0.3.0 components/metrics.py; Automodel 0.7.0 recipes/llm/train_ft.py, which its CLI
+app runs, and recipes/llm/benchmark.py's run_benchmark), the median
 after warm-up, the --dry plan and the rows as scripts/bench.py renders them."""
 
 import json
@@ -22,7 +23,7 @@ TT = "\n".join(
                         (20, 38_522, 30.2)]
 ) + "\n[titan] 2026-11-30 14:03:00,000 - root - INFO - Training completed\nrc=0 wall_s=95 flags: --training.steps 40"
 
-# Automodel's benchmark recipe logs on rank 0: its batch once, then per iteration.
+# Automodel's run_benchmark loop logs on rank 0: its batch once, then per iteration.
 AM_HEAD = ("2026-11-30 14:05:01 | INFO | nemo_automodel.recipes.llm.benchmark | Running 40 iterations with 10 warmup steps\n"
            "2026-11-30 14:05:01 | INFO | nemo_automodel.recipes.llm.benchmark | GA steps: 1, DP size: 2, "
            "Local batch size: 4, Global batch size: 8\n")
@@ -51,10 +52,18 @@ def test_automodel_benchmark_lines_give_tokens_per_gpu():
     assert got["samples"] == 3 and got["peak_mem_gib"] == 25.12
 
 
-def test_automodel_training_recipe_tps_lines():
-    line = ("2026-11-30 14:05:02 | INFO | root | step 12 | epoch 0 | loss 10.4321 | grad_norm 1.2345 | lr 3.00e-04 | "
-            "mem 25.10 GiB | tps 55878.00(27939.00/gpu) | num_label_tokens 16376")
-    assert bp.parse_automodel(line) == [(12, 27939.0, 25.10)]
+def am_step(step: int, per_gpu: float, mem: float = 25.10) -> str:
+    return (f"2026-11-30 14:05:02 | INFO | root | step {step} | epoch 0 | loss 10.4321 | grad_norm 1.2345 | "
+            f"lr 3.00e-04 | mem {mem:.2f} GiB | tps {2 * per_gpu:.2f}({per_gpu:.2f}/gpu) | num_label_tokens 16376")
+
+
+def test_automodel_cli_app_tps_lines():
+    """What run.sh's am_fsdp2 prints: the train_ft loop's per-step line, on rank 0."""
+    text = "\n".join(am_step(s, t) for s, t in [(0, 900.0), (5, 27_000.0), (10, 27_939.0), (11, 28_100.0),
+                                                (12, 27_500.0)]) + "\nrc=0 wall_s=120 strategy=fsdp2"
+    samples = bp.parse_automodel(text)
+    assert samples[2] == (10, 27_939.0, 25.10) and len(samples) == 5
+    assert bp.summarize(samples)["tokens_per_s_per_gpu"] == 27_939.0
 
 
 def test_nothing_parsed_is_none():
@@ -115,3 +124,24 @@ def test_every_launcher_entry_passes_validation():
         cfg, _ = prepare(args, check_hardware=False)
         assert cfg.launcher.nproc_per_node == e.get("world", bp.WORLD)
         assert cfg.train.micro_batch_size == e["mbs"]
+
+
+def test_a_timed_out_run_takes_its_children_with_it(tmp_path):
+    """run_group stops the whole process group (torchrun and its ranks), not only the parent."""
+    import os
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 60 & echo $! > {pid_file}; wait"
+    t0 = time.time()
+    got = bp.run_group(["bash", "-c", script], 2, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert got.returncode == 124 and "timed out after 2 s" in got.stderr and time.time() - t0 < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the child of the timed-out run survived")
