@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -22,8 +24,6 @@ def trace_name(rank: int) -> str:
 
 def check_profile(profile_cfg, steps: int) -> None:
     """One-line refusals for train.profile (called by validation)."""
-    from .errors import ConfigError
-
     if profile_cfg is None:
         return
     if profile_cfg.steps < 0:

@@ -11,12 +11,21 @@ Rows merge into bench/results.json (scripts/bench.py's format) and bench/results
 throughput.png are re-rendered through scripts/bench.py's `render`.
 
   python3 scripts/bench_peers.py --dry                  # the commands, in order; runs nothing
-  python3 scripts/bench_peers.py                        # one round (fits one 10-minute device call)
+  python3 scripts/bench_peers.py                        # all six entries, one round (~12 min)
   python3 scripts/bench_peers.py --only tt_compile      # one entry by its short name
   python3 scripts/bench_peers.py --merge OUT/peers_rows.json   # here: merge a device call's rows, render
 
 On the device only $OUT comes back, so each run also writes its rows to $OUT/peers_rows.json
 (next to the logs); `--merge` puts them into bench/results.json on this machine.
+
+On the 2-GPU machine, back to back (it is given back ~30 s after a call; /tmp lives while it is held):
+  1. carry [".devkit", ".te0"]: bash .devkit/setup.sh base                  (megatron-fsdp + hydra)
+  2. carry [".peers"], ~5-6 min: source /tmp/devkit/env.sh; python3 scripts/bench_peers.py
+       --only tt_nocg --only mfsdp --only am_fsdp2 --only fsdp2
+  3. carry [".peers"], ~6-8 min: source /tmp/devkit/env.sh; python3 scripts/bench_peers.py
+       --tag _call2 --only tt_compile --only mfsdp_compile --only tt_nocg --only mfsdp
+  then here: python3 scripts/bench_peers.py --merge FILES_AT_2/peers_rows.json FILES_AT_3/peers_rows.json
+(one device command may run 10 minutes, so the six entries are split over two calls, each interleaved.)
 """
 
 from __future__ import annotations
