@@ -331,7 +331,8 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
 
 
 def merge(paths: List[str]) -> int:
-    """Rows written on the device ($OUT/peers_rows.json) into bench/results.json; then render."""
+    """Rows written on the device ($OUT/peers_rows.json, small_rows.json) into bench/results.json;
+    then render."""
     res = bench.load_results()
     for path in paths:
         got = json.loads(Path(path).read_text())
@@ -361,7 +362,10 @@ def peer_notes(runs: dict) -> List[str]:
 
 
 def append_notes(res: dict) -> None:
-    notes = peer_notes(res["runs"])
+    """The peers' and the small-model notes under scripts/bench.py's rendered table."""
+    import bench_small  # here, not at the top: bench_small imports this module
+
+    notes = peer_notes(res["runs"]) + bench_small.small_notes(res["runs"])
     if notes:
         md = bench.OUT / "results.md"
         md.write_text(md.read_text() + "\n".join(notes) + "\n")
