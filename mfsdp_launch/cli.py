@@ -22,7 +22,7 @@ usage: mfsdp-train [+recipe=NAME] [key=value ...] [-m key=a,b ...] [--cfg] [--co
 Compose a training config (Hydra groups + recipes + overrides), validate it, and launch it
 with torchrun. Examples:
   mfsdp-train +recipe=cpu_smoke                          tiny GPT on CPU, 2 processes
-  mfsdp-train +recipe=hfsdp_fp8 mesh.dp_shard=8 train.steps=2000
+  mfsdp-train +recipe=hfsdp_fp8 train.steps=2000         every visible GPU (launcher.nproc_per_node=auto)
   mfsdp-train +recipe=cpu_smoke launcher.dry_run=true    print mesh, ranks, memory; run nothing
   mfsdp-train -m +recipe=cpu_smoke optim.lr=1e-3,3e-3    a sweep: one torchrun job per point
   mfsdp-train --config-dir ~/my_configs +recipe=mine     your own recipes in ~/my_configs/recipe/
@@ -31,8 +31,8 @@ config groups: engine={engines}  model={models}
   data={datasets}  launcher=torchrun|slurm  +recipe=<name>
 main keys: mesh.{dp_outer,dp_shard,cp,tp}  sharding.{zero_dp_strategy,outer_dp_sharding_strategy}
   precision.{compute_dtype,main_params_dtype,main_grads_dtype,grad_comm_dtype}  fp8.recipe
-  train.{steps,micro_batch_size,grad_accum_steps,seq_len,compile,...}  optim.*  checkpoint.*
-  run.{name,dir}  launcher.{nproc_per_node,nnodes,node_rank,rdzv_endpoint,dry_run}
+  train.{steps,micro_batch_size,grad_accum_steps,seq_len,compile,profile,...}  optim.*  checkpoint.*
+  run.{name,dir}  launcher.{nproc_per_node (N|auto),nnodes,node_rank,rdzv_endpoint,dry_run}
 options:
   --cfg             print the composed config (every key and its value) and exit
   --config-dir DIR  also look for config groups and recipes in DIR (DIR/recipe/NAME.yaml is

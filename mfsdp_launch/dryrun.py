@@ -25,7 +25,7 @@ def render(cfg, warnings: List[str], console=None) -> None:
     )
     console.print(
         f"mesh (dp_outer, dp_shard, cp, tp) = {dims.shape}  world={dims.world_size} "
-        f"({lc.nnodes} node(s) x {lc.nproc_per_node})  zero={cfg.sharding.zero_dp_strategy}  "
+        f"({lc.nnodes} node(s) x {lc.nproc_per_node}{_auto(lc)})  zero={cfg.sharding.zero_dp_strategy}  "
         f"outer={cfg.sharding.outer_dp_sharding_strategy}"
     )
     pc = cfg.precision
@@ -67,6 +67,10 @@ def render(cfg, warnings: List[str], console=None) -> None:
         console.print("warning: " + w, style="yellow", markup=False)
     if not warnings:
         console.print("no warnings")
+
+
+def _auto(lc) -> str:
+    return f", nproc_per_node=auto: {lc.nproc_auto}" if lc.nproc_auto else ""
 
 
 def _short(ranks) -> str:

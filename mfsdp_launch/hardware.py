@@ -57,6 +57,9 @@ def local_gpu_count() -> int:
     return found
 
 
+CPU_AUTO_PROCESSES = 2  # launcher.nproc_per_node=auto without a GPU: two gloo processes
+
+
 def cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -50,6 +50,7 @@ class LoopContext:
     stop_requested: Callable[[int], bool]  # collective: every rank gets the same answer
     step_fn: Optional[Callable[[], torch.Tensor]] = None  # a captured CUDA graph replay, if any
     val_batch: Optional[Callable[[int], dict]] = None  # val step -> this rank's validation batch; None: no validation
+    profiler: Optional[object] = None  # profiling.StepProfiler (train.profile), or None
 
 
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
@@ -63,6 +64,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     steps_since_log, blocked, paused = 0, 0.0, 0.0
     try:
         while state.step < train_cfg.steps:
+            if ctx.profiler is not None:
+                ctx.profiler.begin(state.step + 1)
             for micro in range(ga):
                 ctx.engine.set_grad_sync(model, sync_every or micro == ga - 1)
                 if ctx.step_fn is not None:
@@ -78,6 +81,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
             ctx.scheduler.step()
             ctx.optimizer.zero_grad(set_to_none=ctx.step_fn is None)
             state.step += 1
+            if ctx.profiler is not None:
+                ctx.profiler.end(state.step)
             state.consumed_samples += samples_per_step
             state.tokens_seen += tokens_per_step
             steps_since_log += 1
@@ -111,6 +116,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     finally:
         if progress is not None:
             progress.close()
+        if ctx.profiler is not None:
+            ctx.profiler.close()
     return state
 
 

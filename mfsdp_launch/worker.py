@@ -103,6 +103,7 @@ def _train(cfg) -> int:
     from . import rundir
     from .loop import LoopContext, TrainState, train
     from .metrics import device_peak_tflops
+    from .profiling import build_profiler
     from .runtime import (build_checkpoints, build_io, build_training, dist_env, full_iteration_graph, init_runtime,
                           val_batch_source)
     from .stopping import StopControl
@@ -133,6 +134,7 @@ def _train(cfg) -> int:
         rank=rt.rank, peak_tflops=peak, metrics=io.metrics, checkpoints=checkpoints, stop_requested=stop_requested,
         step_fn=full_iteration_graph(cfg, tr, io.next_batch, state.step, rt.control),
         val_batch=val_batch_source(cfg, tr.spec, rt),
+        profiler=build_profiler(cfg.train, cfg.run.dir, rt.rank, rt.device),
     )
     try:
         train(tr.forward_model, cfg.train, state, ctx)

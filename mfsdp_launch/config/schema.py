@@ -180,6 +180,14 @@ class OptimConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler over steps start..start+steps-1: a trace per rank in run.dir/profile/."""
+
+    start: int = 10
+    steps: int = 0  # 0: off
+
+
+@dataclass
 class TrainConfig:
     steps: int = 100
     micro_batch_size: int = 4
@@ -200,6 +208,9 @@ class TrainConfig:
     # at the end; a final validation always runs), val_steps micro-batches per rank each time.
     val_interval: int = 0
     val_steps: int = 10
+    # e.g. {start: 10, steps: 3} or train.profile.steps=3: profile those steps (profiling.py);
+    # steps 0 or null: off. (A node, not a None default: Hydra cannot merge a mapping into None.)
+    profile: Optional[ProfileConfig] = field(default_factory=ProfileConfig)
 
 
 @dataclass
@@ -251,7 +262,10 @@ class RunConfig:
 @dataclass
 class LauncherConfig:
     kind: LauncherKind = LauncherKind.torchrun
-    nproc_per_node: int = 1
+    # A number, or `auto`: every visible GPU (2 processes on a CPU machine); resolve.py makes it a number.
+    nproc_per_node: Any = 1
+    # Filled by resolve when nproc_per_node was auto: what it found (the dry run and config.yaml show it).
+    nproc_auto: Optional[str] = None
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: Optional[str] = None

@@ -16,11 +16,12 @@ from ..mesh import ParallelDims, world_size
 from ..models import FAMILIES, ModelContext, family
 from ..models.family import check_family_keys
 from ..models.meta import meta_names, meta_names_isolated
+from ..profiling import check_profile
 from . import machine
 from .dtypes import Dtype
 from .fp8 import FP8Recipe
 from .schema import ACMode, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
-from .sharding import ZeroStrategy, check_sharding
+from .sharding import ZeroStrategy, check_sharding, single_node_outer_warning
 
 
 def validate(cfg, *, check_hardware: bool = True) -> List[str]:
@@ -85,8 +86,9 @@ def _check_sharding(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     if outer not in caps.outer:
         raise ConfigError("sharding.outer_dp_sharding_strategy", f"engine={caps.name} cannot do {outer}; "
                           f"{caps.why_not}", sorted(o.name for o in caps.outer))
-    return check_sharding(zero, outer, dp_outer=dims.dp_outer,
-                          meta_init=cfg.model.init_on_meta and caps.name == "megatron_fsdp")
+    warnings = single_node_outer_warning(dims.dp_outer, cfg.launcher.nnodes, dims.world_size)
+    return warnings + check_sharding(zero, outer, dp_outer=dims.dp_outer,
+                                     meta_init=cfg.model.init_on_meta and caps.name == "megatron_fsdp")
 
 
 def _check_precision(pc, caps: EngineCaps) -> List[str]:
@@ -233,6 +235,7 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
             raise ConfigError(f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     if t.stall_dump_s is not None and t.stall_dump_s <= 0:
         raise ConfigError("train.stall_dump_s", f"must be > 0, got {t.stall_dump_s}", "seconds, or null (off)")
+    check_profile(t.profile, t.steps)
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise ConfigError("train.grad_clip", f"must be > 0, got {t.grad_clip}", "a positive number or null")
     if o.lr <= 0:

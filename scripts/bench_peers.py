@@ -1,0 +1,375 @@
+"""Peers bench: torchtitan 0.3.0 and NeMo Automodel 0.7.0 next to this launcher (both engines), in
+one device call, interleaved, on the same 1.4B Llama (dim 2048, 24 layers, 16 heads, ffn 5632,
+vocab 32000 untied), seq 2048, micro-batch 4, bf16 compute / fp32 reduce, FSDP over 2 GPUs.
+
+The peers come from ../shared/peers/ staged into the git-ignored `.peers/` (its prepare.sh; see
+its README). torchtitan's modes run through the kit's own `run.sh` (flex_nocg, ...); the compile
+variant, which run.sh lacks, runs torchtitan exactly as run.sh's `tt` function does, plus
+`--compile.enable`. Each run's log lands in --logs; tokens/s/GPU is the median after warm-up
+(steps >= 10: FlexAttention autotuning, CUDA warm-up), parsed from the peers' own log lines.
+Rows merge into bench/results.json (scripts/bench.py's format) and bench/results.md /
+throughput.png are re-rendered through scripts/bench.py's `render`.
+
+  python3 scripts/bench_peers.py --dry                  # the commands, in order; runs nothing
+  python3 scripts/bench_peers.py                        # all six entries, one round (~12 min)
+  python3 scripts/bench_peers.py --only tt_compile      # one entry by its short name
+  python3 scripts/bench_peers.py --merge OUT/peers_rows.json   # here: merge a device call's rows, render
+
+On the device only $OUT comes back, so each run also writes its rows to $OUT/peers_rows.json
+(next to the logs); `--merge` puts them into bench/results.json on this machine.
+
+On the 2-GPU machine, back to back (it is given back ~30 s after a call; /tmp lives while it is held):
+  1. carry [".devkit", ".te0"]: bash .devkit/setup.sh base                  (megatron-fsdp + hydra)
+  2. carry [".peers"], ~5-6 min: source /tmp/devkit/env.sh; python3 scripts/bench_peers.py
+       --only tt_nocg --only mfsdp --only am_fsdp2 --only fsdp2
+  3. carry [".peers"], ~6-8 min: source /tmp/devkit/env.sh; python3 scripts/bench_peers.py
+       --tag _call2 --only tt_compile --only mfsdp_compile --only tt_nocg --only mfsdp
+  then here: python3 scripts/bench_peers.py --merge FILES_AT_2/peers_rows.json FILES_AT_3/peers_rows.json
+(one device command may run 10 minutes, so the six entries are split over two calls, each interleaved.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (scripts/bench.py: launcher_args, run_launcher, results.json, render)
+
+KIT = ROOT / ".peers"
+WORLD = 2  # run.sh and llama_1p4b_bench.yaml fix 2 GPUs (global batch 8 = 2 x 4)
+SEQ, MBS = 2048, 4
+STEPS = 40
+WARMUP = 10  # samples from steps/iterations >= this count
+GROUP = "peers"
+ROWS = "peers_rows.json"
+LLAMA = dict(model="llama", preset="1.4b", seq=SEQ, mbs=MBS, precision="bf16")
+
+# short name -> the row it writes. kind: run_sh (a run.sh mode), tt (torchtitan with extra flags),
+# launcher (python -m mfsdp_launch through scripts/bench.py). Listed in the interleaved order.
+ENTRIES: Dict[str, dict] = {
+    "tt_nocg": dict(name="peer_torchtitan_flex_nocg_1.4b_bf16_mbs4", kind="run_sh", mode="flex_nocg",
+                    log="tt_flex_nocg.log", parser="torchtitan", engine="torchtitan 0.3.0 FSDP2", **LLAMA),
+    "mfsdp": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4", kind="launcher", engine="megatron_fsdp",
+                  **dict(LLAMA, model="gpt")),
+    "am_fsdp2": dict(name="peer_automodel_fsdp2_1.4b_bf16_mbs4", kind="run_sh", mode="am_fsdp2",
+                     log="am_fsdp2.log", parser="automodel", engine="Automodel 0.7.0 fsdp2",
+                     **dict(LLAMA, model="hf llama")),
+    "fsdp2": dict(name="peers_fsdp2_gpt_1.4b_bf16_mbs4", kind="launcher", engine="fsdp2",
+                  **dict(LLAMA, model="gpt")),
+    "tt_compile": dict(name="peer_torchtitan_compile_nocg_1.4b_bf16_mbs4", kind="tt",
+                       flags=["--training.disable_cuda_graphs", "--compile.enable"], log="tt_compile_nocg.log",
+                       parser="torchtitan", engine="torchtitan 0.3.0 FSDP2 + compile", **LLAMA),
+    "mfsdp_compile": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile", kind="launcher", engine="megatron_fsdp",
+                          extra=["train.compile=true"], **dict(LLAMA, model="gpt")),
+}
+DEFAULT = ["tt_nocg", "mfsdp", "am_fsdp2", "fsdp2", "tt_compile", "mfsdp_compile"]
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# torchtitan components/metrics.py: "step: 10  loss: ...  memory: 30.12GiB(21.5%)  tps: 38,522  tflops: ..."
+TT_LINE = re.compile(r"step:\s*(\d+)\s.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+# Automodel through its CLI app (`nemo_automodel.cli.app`, what run.sh starts) runs the recipe's
+# inherited train_ft loop, which logs on rank 0 (recipes/llm/train_ft.py):
+#   "step 12 | epoch 0 | loss 10.4321 | grad_norm 1.2345 | lr 3.00e-04 | mem 25.10 GiB | tps 55878.00(27939.00/gpu) | ..."
+AM_TPS = re.compile(r"step (\d+) \|.*?mem ([\d.]+) GiB \| tps [\d.]+\(([\d.]+)/gpu\)")
+# Its run_benchmark() loop (recipes/llm/benchmark.py) logs instead "Rank 0 | Iteration 12 | ...
+# Max Memory Allocated: 25.1 GB ...", then "Max iter time: 0.293 seconds", and its batch once as
+# "... Global batch size: 8"; read too, in case a version routes the CLI there.
+AM_ITER = re.compile(r"Iteration (\d+)\b(?:.*?Max Memory Allocated:\s*([\d.]+) GB)?")
+AM_TIME = re.compile(r"Max iter time:\s*([\d.]+) seconds")
+AM_GBS = re.compile(r"Global batch size:\s*(\d+)")
+
+Sample = Tuple[int, float, Optional[float]]  # (step, tokens/s/GPU, memory GiB or None)
+
+
+def parse_torchtitan(text: str) -> List[Sample]:
+    """torchtitan's metrics lines (every rank logs them; all are kept)."""
+    out = []
+    for line in ANSI.sub("", text).splitlines():
+        m = TT_LINE.search(line)
+        if m:
+            out.append((int(m.group(1)), float(m.group(3).replace(",", "")), float(m.group(2))))
+    return out
+
+
+def parse_automodel(text: str, seq_len: int = SEQ, world: int = WORLD) -> List[Sample]:
+    """Automodel's `tps X(Y/gpu)` lines (Y is tokens/s/GPU); or, from its run_benchmark loop,
+    global batch x seq / world / max iteration time (the slowest rank's)."""
+    text = ANSI.sub("", text)
+    gbs = AM_GBS.search(text)
+    out, it, mem = [], None, None
+    for line in text.splitlines():
+        m = AM_TPS.search(line)
+        if m:
+            out.append((int(m.group(1)), float(m.group(3)), float(m.group(2))))
+            continue
+        m = AM_ITER.search(line)
+        if m:
+            it = int(m.group(1))
+            mem = float(m.group(2)) if m.group(2) else mem
+            continue
+        m = AM_TIME.search(line)
+        if m and it is not None and gbs:
+            out.append((it, int(gbs.group(1)) * seq_len / world / float(m.group(1)), mem))
+    return out
+
+
+PARSERS = {"torchtitan": parse_torchtitan, "automodel": parse_automodel}
+
+
+def summarize(samples: List[Sample], warmup: int = WARMUP) -> Optional[dict]:
+    """Median tokens/s/GPU over steps >= warmup (all samples if none is that late); max memory."""
+    if not samples:
+        return None
+    late = [s for s in samples if s[0] >= warmup] or samples
+    mems = [s[2] for s in samples if s[2] is not None]
+    return dict(tokens_per_s_per_gpu=statistics.median(s[1] for s in late), samples=len(late),
+                peak_mem_gib=max(mems) if mems else None)
+
+
+def mfu_of(tokens_per_s_per_gpu: float, peak_tflops: Optional[float]) -> Optional[float]:
+    """The launcher's FLOP convention (6N + 12·L·d·T) for the 1.4b preset, so every row compares."""
+    if not peak_tflops:
+        return None
+    from types import SimpleNamespace
+
+    from mfsdp_launch.models.llama_dims import flops_per_token, resolve_gpt_dims
+
+    dims = resolve_gpt_dims(SimpleNamespace(preset="1.4b", norm_eps=1e-5, rope_theta=10000.0))
+    return flops_per_token(dims, SEQ) * tokens_per_s_per_gpu / (peak_tflops * 1e12)
+
+
+# --- the peers' commands ------------------------------------------------------------------------------
+
+
+def peer_env(kit: Path, logs: Path) -> dict:
+    """run.sh's environment (NVLink multicast off, offline hubs) and $OUT for its logs."""
+    env = dict(os.environ, OUT=str(logs), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               WANDB_MODE="disabled")
+    return env
+
+
+def tt_install_command(kit: Path) -> List[str]:
+    """run.sh installs torchtitan's wheels into /tmp/ttsite on its first tt call; the same here."""
+    return ["bash", "-c", f"[ -d /tmp/ttsite/torchtitan ] || python3 -m pip install -q --no-index --no-deps "
+            f"--no-compile --target /tmp/ttsite {shlex.quote(str(kit))}/whl/*.whl"]
+
+
+def tt_command(kit: Path, e: dict, steps: int = STEPS) -> List[str]:
+    """run.sh's `tt` function: torchrun over tt_launch.py with the tt_bench config, plus e's flags."""
+    return ["torchrun", "--standalone", f"--nproc-per-node={WORLD}", str(kit / "tt_launch.py"),
+            "--module", "tt_bench", "--config", "llama_1p4b_bench", "--training.steps", str(steps), *e["flags"]]
+
+
+def commands(e: dict, kit: Path, logs: Path, launcher_steps: int) -> List[List[str]]:
+    if e["kind"] == "run_sh":
+        return [["bash", str(kit / "run.sh"), e["mode"]]]
+    if e["kind"] == "tt":
+        return [tt_install_command(kit), tt_command(kit, e)]
+    return [[sys.executable, "-m", "mfsdp_launch", *launcher_overrides(e, launcher_steps, logs / e["name"])]]
+
+
+def launcher_overrides(e: dict, steps: int, run_dir: Path, world: int = WORLD) -> List[str]:
+    return [*bench.launcher_args(e, world, steps, 5, run_dir), *e.get("extra", [])]
+
+
+def run_group(cmd: List[str], timeout: int, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run in its own process group: on timeout the whole group (torchrun and its
+    ranks) is stopped, so nothing of a timed-out run holds a GPU during the next one. rc 124."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, err = proc.communicate(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                out, err = None, None
+        return subprocess.CompletedProcess(cmd, 124, out or "", (err or "") + f"\ntimed out after {timeout} s")
+
+
+def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
+    t0 = time.time()
+    env = peer_env(kit, logs)
+    env.update(T_NOCG=str(timeout), T_AM=str(timeout), T_CG=str(timeout))  # run.sh's per-mode limits
+    log_path = logs / e["log"]
+    rc = 0
+    if e["kind"] == "run_sh":
+        rc = run_group(commands(e, kit, logs, 0)[0], timeout + 60, cwd=ROOT, env=env).returncode
+    else:
+        install, cmd = commands(e, kit, logs, 0)
+        env["PYTHONPATH"] = f"/tmp/ttsite:{kit}"
+        env["TT_DUMP"] = f"/tmp/ttrun/{Path(e['log']).stem}"
+        Path("/tmp/ttrun").mkdir(exist_ok=True)
+        subprocess.run(install, env=env, check=True)
+        with open(log_path, "w") as f:
+            rc = run_group(cmd, timeout, cwd="/tmp/ttrun", env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+            f.flush()
+            f.write(f"rc={rc} wall_s={time.time() - t0:.0f} flags: {' '.join(e['flags'])}\n")
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    got = summarize(PARSERS[e["parser"]](text))
+    row = {k: v for k, v in e.items() if k not in ("flags", "mode", "parser")}
+    row.update(group=GROUP, kind="peer", fp8_params=False, world=WORLD, wall_s=round(time.time() - t0, 1),
+               log=str(log_path))
+    if got is None:
+        return dict(row, ok=False, error=f"no throughput lines in {log_path.name} (exit {rc}): " + text[-600:])
+    return dict(row, ok=True, **got)
+
+
+def run_ours(e: dict, steps: int, logs: Path, log, world: int = WORLD, group: str = GROUP,
+             timeout: int = 400) -> dict:
+    """A launcher row as scripts/bench.py's run_launcher makes it (medians of metrics.jsonl after the
+    first row), with this entry's extra overrides (train.compile=true)."""
+    run_dir = logs / e["name"]  # its metrics.jsonl and rank logs come back with the peers' logs
+    cmd = [sys.executable, "-m", "mfsdp_launch", *launcher_overrides(e, steps, run_dir, world)]
+    t0 = time.time()
+    proc = run_group(cmd, timeout, cwd=ROOT, env=bench._env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True)
+    log.write(f"\n=== {e['name']} ({time.time() - t0:.0f} s, exit {proc.returncode})\n$ {shlex.join(cmd)}\n"
+              f"{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}\n")
+    log.flush()
+    row = dict(e, group=group, kind="launcher", fp8_params=False, world=world)
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    if proc.returncode != 0 or not rows:
+        return dict(row, ok=False, error=(proc.stderr or proc.stdout)[-800:])
+    use = rows[1:] or rows
+    mfu = statistics.median(r["mfu"] for r in use) if use[0]["mfu"] is not None else None
+    return dict(row, ok=True, tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_gpu"] for r in use),
+                mfu=mfu, peak_mem_gib=max(r["peak_mem_gib"] for r in rows),
+                step_time_s=statistics.median(r["step_time_s"] for r in use), loss=rows[-1]["loss"],
+                rows=len(rows), wall_s=round(time.time() - t0, 1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", default=[], help=f"short names: {', '.join(ENTRIES)}")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the interleaved sequence")
+    ap.add_argument("--steps", type=int, default=STEPS, help="launcher steps (the peers run 40)")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per peer run")
+    ap.add_argument("--kit", default=str(KIT))
+    ap.add_argument("--logs", default=os.environ.get("OUT", str(bench.OUT / "peers_logs")))
+    ap.add_argument("--tag", default="", help="suffix for the row names (keeps rows of separate calls apart)")
+    ap.add_argument("--dry", action="store_true", help="print the commands; run nothing")
+    ap.add_argument("--merge", nargs="+", help="peers_rows.json files from device calls: merge and render")
+    a = ap.parse_args()
+    if a.merge:
+        return merge(a.merge)
+    unknown = [n for n in a.only if n not in ENTRIES]
+    if unknown:
+        print(f"bench_peers: unknown entry {unknown[0]!r} (allowed: {', '.join(ENTRIES)})", file=sys.stderr)
+        return 2
+    names = a.only or DEFAULT
+    kit, logs = Path(a.kit), Path(a.logs)
+    plan = [(r, n) for r in range(1, a.rounds + 1) for n in names]
+    if a.dry:
+        for r, n in plan:
+            e = ENTRIES[n]
+            for cmd in commands(e, kit, logs, a.steps):
+                print(f"[round {r}] {n}: {shlex.join(cmd)}")
+        return 0
+    if not (kit / "run.sh").exists():
+        print(f"bench_peers: {kit}/run.sh missing: run ../shared/peers/prepare.sh and carry .peers",
+              file=sys.stderr)
+        return 2
+    return run_plan(plan, kit, logs, a)
+
+
+def run_plan(plan, kit: Path, logs: Path, a) -> int:
+    import torch
+
+    from mfsdp_launch.hardware import peak_tflops_for
+
+    if torch.cuda.device_count() < WORLD:
+        print(f"bench_peers: needs {WORLD} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 1
+    device = torch.cuda.get_device_name(0)
+    peak = peak_tflops_for(device)
+    logs.mkdir(parents=True, exist_ok=True)
+    res = bench.load_results()
+    res["device"] = f"{torch.cuda.device_count()}x {device}"
+    rows: Dict[str, dict] = {}
+    with open(logs / "launcher.log", "a") as log:
+        for r, n in plan:
+            e = dict(ENTRIES[n], name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else "") + a.tag)
+            if e["kind"] == "launcher":
+                row = run_ours(e, a.steps, logs, log, timeout=a.timeout + 120)
+            else:
+                row = run_peer(e, kit, logs, a.timeout)
+                if row.get("ok"):
+                    row["mfu"] = mfu_of(row["tokens_per_s_per_gpu"], peak)
+            row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            res["runs"][row["name"]] = row
+            bench.save_results(res)
+            rows[row["name"]] = row
+            (logs / ROWS).write_text(json.dumps({"device": res["device"], "runs": rows}, indent=1, sort_keys=True))
+            tps = f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU" if row.get("ok") else "FAILED"
+            print(f"[round {r}] {n}: {row['name']}: {tps} ({row.get('wall_s', '?')} s)", flush=True)
+            if not row.get("ok"):
+                print("   " + str(row.get("error", ""))[-600:].replace("\n", "\n   "), flush=True)
+    bench.render(res)
+    append_notes(res)
+    return 0
+
+
+def merge(paths: List[str]) -> int:
+    """Rows written on the device ($OUT/peers_rows.json, small_rows.json) into bench/results.json;
+    then render."""
+    res = bench.load_results()
+    for path in paths:
+        got = json.loads(Path(path).read_text())
+        res["runs"].update(got["runs"])
+        res["device"] = got.get("device", res.get("device"))
+        print(f"merged {len(got['runs'])} row(s) from {path}")
+    bench.save_results(res)
+    bench.render(res)
+    append_notes(res)
+    return 0
+
+
+def peer_notes(runs: dict) -> List[str]:
+    """Our best launcher row / each peer, from the latest rows of this group."""
+    ok = [r for r in runs.values() if r.get("group") == GROUP and r.get("ok")]
+    ours = [r for r in ok if r.get("kind") == "launcher"]
+    peers = [r for r in ok if r.get("kind") == "peer"]
+    if not ours or not peers:
+        return []
+    best = max(ours, key=lambda r: r["tokens_per_s_per_gpu"])
+    lines = [f"- peers (one call, interleaved, 1.4B Llama dims, seq 2048, mbs 4, 2 GPUs): our best "
+             f"{best['name']} {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"]
+    for p in sorted(peers, key=lambda r: r["name"]):
+        lines.append(f"  - vs {p['engine']} ({p['name']}, {p['tokens_per_s_per_gpu']:,.0f}): "
+                     f"**{best['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.3f}x** (goal >= 1.15x torchtitan)")
+    return lines
+
+
+def append_notes(res: dict) -> None:
+    """The peers' and the small-model notes under scripts/bench.py's rendered table."""
+    import bench_small  # here, not at the top: bench_small imports this module
+
+    notes = peer_notes(res["runs"]) + bench_small.small_notes(res["runs"])
+    if notes:
+        md = bench.OUT / "results.md"
+        md.write_text(md.read_text() + "\n".join(notes) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
