@@ -9,7 +9,7 @@ def test_help():
 
 
 def test_dry_run_prints_rank_table_groups_and_memory(tmp_path):
-    out = cli("+recipe=hfsdp_fp8", "launcher.dry_run=true", "launcher.nproc_per_node=8", f"run.dir={tmp_path}/r")
+    out = cli("+recipe=hfsdp_fp8", "mesh.dp_outer=2", "launcher.dry_run=true", "launcher.nproc_per_node=8", f"run.dir={tmp_path}/r")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "(2, 4, 1, 1)" in text

@@ -32,6 +32,11 @@ def test_every_recipe_validates_for_a_dry_run(recipe):
 
 def test_hfsdp_fp8_recipe_contents():
     cfg, _ = checked("+recipe=hfsdp_fp8", "launcher.nproc_per_node=8")
+    assert (cfg.mesh.dp_outer, cfg.mesh.dp_shard) == (1, 8)  # dp_outer=nodes: plain FSDP on one node
+    cfg, _ = checked("+recipe=hfsdp_fp8", "launcher.nproc_per_node=8", "launcher.nnodes=2",
+                     "launcher.rdzv_endpoint=h:1")
+    assert (cfg.mesh.dp_outer, cfg.mesh.dp_shard) == (2, 8)  # one outer replica per node
+    cfg, _ = checked("+recipe=hfsdp_fp8", "launcher.nproc_per_node=8", "mesh.dp_outer=2")
     assert (cfg.mesh.dp_outer, cfg.mesh.dp_shard) == (2, 4)
     assert cfg.sharding.outer_dp_sharding_strategy.name == "optim"
     assert cfg.sharding.zero_dp_strategy.name == "optim_grads_params"

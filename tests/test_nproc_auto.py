@@ -31,14 +31,26 @@ def test_fsdp_recipe_on_one_gpu(monkeypatch):
     assert (cfg.launcher.nproc_per_node, cfg.mesh.dp_shard) == (1, 1)
 
 
-@pytest.mark.parametrize("recipe", ["hfsdp_fp8", "hsdp_bf16"])
-def test_outer_recipe_on_one_gpu_names_the_override(monkeypatch, recipe):
+@pytest.mark.parametrize("recipe", ["hfsdp_fp8", "hsdp_bf16", "hfsdp_bf16"])
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_outer_recipes_run_on_any_gpu_count_of_one_node(monkeypatch, recipe, n):
+    gpus(monkeypatch, n)
+    cfg, _ = prepare([f"+recipe={recipe}"], check_hardware=False)  # mesh.dp_outer=nodes
+    assert (cfg.launcher.nproc_per_node, cfg.mesh.dp_outer, cfg.mesh.dp_shard) == (n, 1, n)
+
+
+def test_a_fixed_outer_degree_on_one_gpu_names_the_override(monkeypatch):
     gpus(monkeypatch, 1)
     with pytest.raises(ConfigError) as e:
-        prepare([f"+recipe={recipe}"], check_hardware=False)
+        prepare(["+recipe=hfsdp_fp8", "mesh.dp_outer=2"], check_hardware=False)
     assert e.value.key == "mesh.dp_outer" and "mesh.dp_outer=1" in str(e.value) and "1 visible GPU" in str(e.value)
-    cfg, _ = prepare([f"+recipe={recipe}", "mesh.dp_outer=1"], check_hardware=False)  # the named override works
-    assert cfg.launcher.nproc_per_node == 1
+
+
+@pytest.mark.parametrize("value", ["node", "2.5", "true"])
+def test_dp_outer_takes_a_number_or_nodes(value):
+    with pytest.raises(ConfigError) as e:
+        prepare(["+recipe=hfsdp_fp8", f"mesh.dp_outer={value}", "launcher.nproc_per_node=2"], check_hardware=False)
+    assert e.value.key == "mesh.dp_outer" and "nodes" in str(e.value)
 
 
 def test_cpu_machine_gets_two_processes(monkeypatch):
@@ -68,7 +80,7 @@ def test_slurm_auto_takes_gpus_per_node():
 
 def test_single_node_outer_dim_warns_with_the_measured_cost(monkeypatch):
     gpus(monkeypatch, 8)
-    _, warnings = prepare(["+recipe=hfsdp_fp8"], check_hardware=False)
+    _, warnings = prepare(["+recipe=hfsdp_fp8", "mesh.dp_outer=2"], check_hardware=False)
     assert [w for w in warnings if "0.75x" in w and f"{SINGLE_NODE_HFSDP[0]:,}" in w]
     _, warnings = prepare(["+recipe=hfsdp_fp8", "launcher.nnodes=2", "launcher.rdzv_endpoint=h:1"],
                           check_hardware=False)
@@ -78,7 +90,7 @@ def test_single_node_outer_dim_warns_with_the_measured_cost(monkeypatch):
 
 
 def test_dry_run_shows_what_auto_became(tmp_path):
-    out = cli("+recipe=hfsdp_bf16", "launcher.dry_run=true", f"run.dir={tmp_path}/r",
+    out = cli("+recipe=hfsdp_bf16", "mesh.dp_outer=2", "launcher.dry_run=true", f"run.dir={tmp_path}/r",
               env={"CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr
     assert "world=2 (1 node(s) x 2, nproc_per_node=auto: no GPU here: 2 CPU processes)" in out.stdout

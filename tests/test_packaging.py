@@ -34,7 +34,7 @@ def test_configs_and_recipes_ship_in_the_wheel(installed, tmp_path):
 
 
 def test_installed_cli_dry_run_from_elsewhere(installed, tmp_path):
-    out = run_installed(installed, tmp_path, "+recipe=hfsdp_fp8", "launcher.dry_run=true",
+    out = run_installed(installed, tmp_path, "+recipe=hfsdp_fp8", "mesh.dp_outer=2", "launcher.dry_run=true",
                         "launcher.nproc_per_node=8", module=True)
     assert out.returncode == 0, out.stderr
     assert "rank" in out.stdout and "(2, 4, 1, 1)" in out.stdout

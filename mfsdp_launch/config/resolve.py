@@ -12,11 +12,13 @@ from .fp8 import fixed_format
 from .schema import LauncherKind
 
 AUTO = "auto"
+NODES = "nodes"
 
 
 def resolve(cfg) -> ParallelDims:
     """Fill derived values in place; returns the mesh degrees. Raises ConfigError."""
     auto = resolve_nproc(cfg.launcher)
+    resolve_dp_outer(cfg.mesh, cfg.launcher)
     if auto:
         check_auto_mesh(cfg.mesh, cfg.launcher)
     dims = ParallelDims.from_config(cfg.mesh, world_size(cfg.launcher))
@@ -54,6 +56,17 @@ def resolve_nproc(lc) -> bool:
     lc.nproc_per_node = gpus or hardware.CPU_AUTO_PROCESSES
     lc.nproc_auto = f"{gpus} visible GPU(s)" if gpus else f"no GPU here: {lc.nproc_per_node} CPU processes"
     return True
+
+
+def resolve_dp_outer(mesh_cfg, lc) -> None:
+    """mesh.dp_outer as a number; `nodes` is launcher.nnodes (one outer replica per node)."""
+    value = mesh_cfg.dp_outer
+    if isinstance(value, str) and value.strip().lower() == NODES:
+        mesh_cfg.dp_outer = int(lc.nnodes)
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        mesh_cfg.dp_outer = int(value)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError("mesh.dp_outer", f"{value!r} is not a degree", "a positive integer, or nodes")
 
 
 def check_auto_mesh(mesh_cfg, lc) -> None:

@@ -63,7 +63,9 @@ class LauncherKind(Choice):
 
 @dataclass
 class MeshConfig:
-    dp_outer: int = 1
+    # `nodes`: one outer replica per node (launcher.nnodes), so HSDP/HFSDP shards within a node,
+    # over NVLink, and reduces across nodes; on one node that is plain FSDP.
+    dp_outer: Any = 1
     dp_shard: int = -1  # -1: infer from the world size
     cp: int = 1
     tp: int = 1

@@ -123,7 +123,7 @@ def test_te_e2e_hfsdp_fp8_text():
     require_gpus(2)
     require_te()
     run_dir = fresh_run_dir("hfsdp_fp8")
-    proc = cli("hfsdp_fp8", "+recipe=hfsdp_fp8", "launcher.nproc_per_node=2", "model.preset=125m",
+    proc = cli("hfsdp_fp8", "+recipe=hfsdp_fp8", "mesh.dp_outer=2", "launcher.nproc_per_node=2", "model.preset=125m",
                "model.params_dtype=bf16", "train.steps=60", "train.seq_len=1024", "train.log_interval=10",
                "data.max_bytes=16000000", "checkpoint.save_final=false", f"run.dir={run_dir}")
     assert "(2, 1, 1, 1)" in proc.stdout, proc.stdout[-2000:]
