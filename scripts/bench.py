@@ -223,6 +223,11 @@ def run_bounded(cmd: list, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def _peak_reserved(rows: list):
+    got = [r["peak_reserved_gib"] for r in rows if r.get("peak_reserved_gib") is not None]
+    return max(got) if got else None  # (None on a CPU)
+
+
 def run_launcher(e: dict, world: int, steps: int, log_interval: int, log) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{e['name']}-"))
     cmd = [sys.executable, "-m", "mfsdp_launch", *launcher_args(e, world, steps, log_interval, run_dir)]
@@ -240,10 +245,10 @@ def run_launcher(e: dict, world: int, steps: int, log_interval: int, log) -> dic
         oom = next((x for x in proc.stderr.splitlines() if LINE_RE.match(x)), None)
         return dict(e, ok=False, oom=oom is not None, error=(oom or proc.stderr or proc.stdout)[-800:], world=world,
                     peak_mem_gib=max((r["peak_mem_gib"] for r in rows), default=None),
-                    peak_reserved_gib=max((r.get("peak_reserved_gib") or 0 for r in rows), default=None))
+                    peak_reserved_gib=_peak_reserved(rows))
     use = rows[1:] or rows
     return dict(e, ok=True, world=world,
-                peak_reserved_gib=max((r.get("peak_reserved_gib") or 0 for r in rows), default=None),
+                peak_reserved_gib=_peak_reserved(rows),
                 tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_gpu"] for r in use),
                 mfu=statistics.median(r["mfu"] for r in use) if use[0]["mfu"] is not None else None,
                 peak_mem_gib=max(r["peak_mem_gib"] for r in rows),
