@@ -67,7 +67,7 @@ def _peaks() -> Optional[str]:
 def oom_line(exc: BaseException, rank: int, estimate_gib: Optional[float] = None) -> str:
     """`mfsdp-train: rank 1 ran out of GPU memory at step 3: peak ... GiB ...; try ...`."""
     step = getattr(exc, _STEP_ATTR, None)
-    where = f"at step {step}" if step is not None else "before the first step"
+    where = f"at step {step}" if step is not None else "outside a training step (start-up, resume, last save)"
     parts = [_peaks() or "no CUDA device to measure a peak on"]
     tried = next((m.group(1) for m in map(_TRIED.search, (str(e) for e in _chain(exc))) if m), None)
     if tried:

@@ -85,7 +85,7 @@ def test_recognizes_oom_texts_and_not_others():
 
 def test_line_names_the_step_or_its_absence():
     exc = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
-    assert "before the first step" in oom_line(exc, 0)
+    assert "outside a training step" in oom_line(exc, 0)
     note_step(exc, 7)
     note_step(exc, 9)  # the innermost (first) note wins
     line = oom_line(exc, 1, estimate_gib=150.0)
