@@ -197,6 +197,8 @@ def _why(code: int, result) -> Optional[str]:
         if root is not None and root.rank is not None:
             how = (f"killed by {root.signal_name}" if root.signal_name
                    else f"exit code {root.exit_code}" if root.exit_code is not None else "failed")
+            if result.root_oom:
+                return f"rank {root.rank} ran out of GPU memory, {how}"
             return f"rank {root.rank} {how}" + ("" if root.signal_name else ", traceback above")
         if result.torchrun_error:
             return f"torchrun: {result.torchrun_error}"

@@ -12,7 +12,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .metrics import MetricsWriter, StepTimer, peak_memory_gib
+from .oom import note_step
+from .metrics import MetricsWriter, StepTimer, peak_memory_gib, peak_reserved_gib
 
 
 @dataclass
@@ -113,6 +114,9 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 if ctx.rank == 0:
                     print(f"stopping at step {state.step} on request; checkpoint saved", flush=True)
                 break
+    except Exception as exc:
+        note_step(exc, state.step + 1)  # the step it escaped from, for the one-line OOM report (oom.py)
+        raise
     finally:
         if progress is not None:
             progress.close()
@@ -172,6 +176,7 @@ def _log_row(ctx: LoopContext, state: TrainState, loss: torch.Tensor, grad_norm,
         "tflops_per_gpu": tflops,
         "mfu": mfu,
         "peak_mem_gib": peak_memory_gib(ctx.device),
+        "peak_reserved_gib": peak_reserved_gib(ctx.device),
         "step_time_s": dt,
         "tokens_seen": state.tokens_seen,
         "ckpt_blocked_s": blocked,

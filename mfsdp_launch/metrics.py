@@ -26,6 +26,11 @@ def device_peak_tflops(device: torch.device, configured: Optional[float]) -> tup
     return None, "a CPU has no known peak"
 
 
+def peak_reserved_gib(device: torch.device) -> Optional[float]:
+    """The caching allocator's reserved peak (what runs out first; memory.py aims at it); None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 1024**3 if device.type == "cuda" else None
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, TextIO
 
 from . import rundir
+from .oom import LINE_RE as OOM_LINE
 
 PREFIX_TEMPLATE = "[rank${rank}]: "  # torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE for tee'd lines
 _PREFIX = re.compile(r"^\[rank(\d+)\]: ")
@@ -195,6 +196,7 @@ class OutputRouter:
         self.held: Dict[int, List[str]] = {}  # rank -> its failure block, in the order they began
         self.torchrun_lines: List[str] = []
         self.threads: List[threading.Thread] = []
+        self.root_oom = False  # the block shown was an out-of-GPU-memory line
 
     def start(self, proc: subprocess.Popen) -> None:
         for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
@@ -228,7 +230,7 @@ class OutputRouter:
                 if rank in self.held:
                     self.held[rank].append(text)
                     return
-                if _FAILURE_START.match(text):
+                if _FAILURE_START.match(text) or OOM_LINE.match(text):
                     self.held[rank] = [text]
                     return
         self.console.write(text, stream, to_log=False)
@@ -243,7 +245,10 @@ class OutputRouter:
         if root_rank is None:
             root_rank = self.first_failing_rank()
         if root_rank in self.held:  # (a rank killed by a signal printed nothing: the others' errors follow from it)
-            self.console.write("".join(self.held[root_rank]), sys.stderr, to_log=False)
+            block = self.held[root_rank]
+            self.root_oom = bool(OOM_LINE.match(block[0]))
+            # Out of GPU memory: its one line (oom.py); the traceback stays in logs/rank<N>.stderr.log.
+            self.console.write("".join(block[:1] if self.root_oom else block), sys.stderr, to_log=False)
         others = sorted(r for r in self.held if r != root_rank)
         if others:
             self.console.err(f"mfsdp-train: rank(s) {', '.join(map(str, others))} also failed: their tracebacks "
@@ -275,6 +280,7 @@ class Supervised:
     signals: List[str] = field(default_factory=list)
     root: Optional[Failure] = None
     torchrun_error: Optional[str] = None
+    root_oom: bool = False  # the root cause ran out of GPU memory (its one line was shown)
 
 
 class Supervisor:
@@ -329,6 +335,7 @@ class Supervisor:
             if self.result.root is None and router.first_failing_rank() is not None:
                 self.result.root = Failure(rank=router.first_failing_rank())
             router.show_held(self.result.root.rank if self.result.root else None)
+            self.result.root_oom = router.root_oom
             self.result.torchrun_error = router.torchrun_error_line()
         else:
             router.show_all_held()

@@ -67,8 +67,8 @@ def run(cfg) -> int:
         if rank == 0:
             eprint(f"mfsdp-train: error: {exc}")
         code = 1
-    except Exception:  # noqa: BLE001 - reported, then the rank leaves at once
-        _leave_after_failure(rank)
+    except Exception as exc:  # noqa: BLE001 - reported, then the rank leaves at once
+        _leave_after_failure(rank, exc, cfg)
     import gc
 
     import torch.distributed as dist
@@ -81,17 +81,23 @@ def run(cfg) -> int:
     return code
 
 
-def _leave_after_failure(rank: int) -> NoReturn:
+def _leave_after_failure(rank: int, exc: BaseException, cfg) -> NoReturn:
     """Print why this rank failed and exit without tearing the process groups down.
 
     NCCL's teardown waits for the peers, and for every live CUDA graph that uses a communicator
     (the traceback keeps the captured graph alive): a failed rank would hang there silently while
     its peers wait for it, and torchrun would never see it fail and stop the job.
+    Out of GPU memory, the block starts with oom.py's one line, which is all the console shows.
     """
     import traceback
 
+    from . import oom
+
     sys.stdout.flush()
-    print(f"mfsdp-train: rank {rank} failed:", file=sys.stderr)
+    if oom.is_oom(exc):
+        print(oom.oom_line(exc, rank, oom.estimate_gib(cfg)), file=sys.stderr)
+    else:
+        print(f"mfsdp-train: rank {rank} failed:", file=sys.stderr)
     traceback.print_exc()
     sys.stderr.flush()
     os._exit(1)

@@ -12,7 +12,20 @@ rendered to bench/results.md and bench/throughput.png.
   python3 scripts/bench.py --group gpt_pair       # bare / launcher / bare / launcher, 40 steps each
   python3 scripts/bench.py --group te_deep        # te_gpt d=4096 with 16 layers (fills ~half the GPU)
   python3 scripts/bench.py --group hf_vs_gpt      # HF LlamaForCausalLM vs the built-in gpt, 1.4B dims, both engines
+  python3 scripts/bench.py --group memory         # estimate vs measured peak: 1.4b/3b x ZeRO x AC x tp x FP8
+  python3 scripts/bench.py --group memory8b       # the same axes at 8b
+  python3 scripts/bench.py --group ac_peak        # gpt 1.4b seq 4096 mbs 8: AC none / full / selective
+  python3 scripts/bench.py --group ac8b           # gpt 8b seq 8192: AC full / selective
+  python3 scripts/bench.py --group te_tp          # te_gpt 8b FP8 delayed: tp=2 vs tp=1
+  python3 scripts/bench.py --group cp32k          # gpt and te_gpt 3b at seq 32768: cp=2 vs cp=1
+  python3 scripts/bench.py --group memory --dry   # the planned runs and their estimates; runs nothing
   python3 scripts/bench.py --report               # re-render md/png from results.json
+
+The memory groups (MEMORY_GROUPS) also render bench/memory.md: each run's dry-run estimate
+(computed here from the same overrides), its measured peak (allocated and reserved), and the
+reference points of bench/memory_reference.json. A run that runs out of memory is recorded as OOM
+with its estimate. Every run is bounded (`timeout`, default 600 s); on expiry the launcher and all
+its descendants (torchrun, the ranks) are killed, so no rank keeps a GPU.
 """
 
 from __future__ import annotations
@@ -96,6 +109,58 @@ MATRIX = [
 ]
 
 
+# --- memory: estimate vs measured (2 GPUs, seq 4096, 6 steps, launcher.force_memory=true) ---------
+MEMORY_GROUPS = ("memory", "memory8b", "ac_peak", "ac8b", "te_tp", "cp32k", "memory_reference")
+MEM = dict(seq=4096, precision="bf16", steps=6, log_interval=2, force=True, timeout=300)
+
+
+def mem_entry(name, group, model="gpt", preset="1.4b", mbs=1, engine="megatron_fsdp", **kw):
+    return entry(name, group, engine=engine, **dict(MEM, model=model, preset=preset, mbs=mbs, **kw))
+
+
+MATRIX += [
+    # One axis at a time from gpt 1.4b mbs 2 (Megatron-FSDP, ZeRO-3, no AC, tp 1, bf16).
+    mem_entry("mem_gpt_1.4b_z3", "memory", mbs=2),
+    mem_entry("mem_gpt_1.4b_z2", "memory", mbs=2, zero=2),
+    mem_entry("mem_gpt_1.4b_z1", "memory", mbs=2, zero=1),
+    mem_entry("mem_gpt_1.4b_z3_acfull", "memory", mbs=2, ac="full"),
+    mem_entry("mem_fsdp2_gpt_1.4b_z3", "memory", mbs=2, engine="fsdp2"),
+    mem_entry("mem_fsdp2_gpt_1.4b_z3_tp2", "memory", mbs=2, engine="fsdp2", tp=2),
+    mem_entry("mem_te_gpt_1.4b_z3_fp8", "memory", model="te_gpt", mbs=2, precision="delayed"),
+    # 3b (tied 128k vocab: the fp32 loss buffers are a third of it).
+    mem_entry("mem_gpt_3b_z3", "memory", preset="3b", mbs=2),
+    mem_entry("mem_gpt_3b_z3_acfull", "memory", preset="3b", mbs=2, ac="full"),
+    # 8b (a group of its own: each run starts in ~1 min): ZeRO-1 keeps the whole bf16 model and its
+    # fp32 gradients on every rank (~118 GiB estimated).
+    mem_entry("mem_gpt_8b_z3", "memory8b", preset="8b"),
+    mem_entry("mem_gpt_8b_z3_acfull", "memory8b", preset="8b", ac="full"),
+    mem_entry("mem_gpt_8b_z1", "memory8b", preset="8b", zero=1),
+    mem_entry("mem_fsdp2_gpt_8b_z3_tp2", "memory8b", preset="8b", engine="fsdp2", tp=2),
+    mem_entry("mem_te_gpt_8b_z3_fp8", "memory8b", model="te_gpt", preset="8b", precision="delayed"),
+    # AC acceptance (issue 15): full <= 0.6x none at gpt 1.4b, seq 4096, mbs 8.
+    *[mem_entry(f"acpeak_gpt_1.4b_mbs8_{ac}", "ac_peak", mbs=8, ac=ac, steps=8) for ac in ("none", "full", "selective")],
+    # gpt 8b at seq 8192 (7,850 tokens/s/GPU was measured at seq 4096 without AC).
+    *[mem_entry(f"ac8b_gpt_8b_s8192_{ac}", "ac8b", preset="8b", seq=8192, ac=ac, steps=8) for ac in ("full", "selective")],
+    # te_gpt 8b FP8 delayed at the measured 126 GiB point: tp=2 (TE tp_group + sequence parallel) vs tp=1.
+    *[mem_entry(f"tetp_te_gpt_8b_delayed_s8192_tp{tp}", "te_tp", model="te_gpt", preset="8b", seq=8192,
+                precision="delayed", tp=tp, steps=8) for tp in (1, 2)],
+    # seq 32768 on 2 GPUs, 3b without AC: cp=1 is estimated far over an H200 (gpt ~175, te_gpt ~155 GiB:
+    # 28 blocks at 32k tokens plus 47 GiB of fp32 loss buffers for the 128k vocab), cp=2 halves the
+    # tokens per rank and fits (~103 / ~92 GiB). 8b with AC full would sit at ~134 GiB for cp=1: too
+    # close to the H200's 139.8 GiB to say OOM.
+    *[mem_entry(f"cp32k_{model}_3b_cp{cp}", "cp32k", model=model, preset="3b", seq=32768, cp=cp, steps=5,
+                log_interval=1) for model in ("gpt", "te_gpt") for cp in (2, 1)],
+]
+
+
+def memory_reference() -> list:
+    """The measured reference points (bench/memory_reference.json), as bench entries."""
+    data = json.loads((OUT / "memory_reference.json").read_text())
+    return [dict(entry(p["name"], "memory_reference", engine=p.get("engine", "megatron_fsdp"),
+                       fp8_params=p.get("fp8_params", False)),
+                 **{k: v for k, v in p.items() if k not in ("engine", "fp8_params")}) for p in data["points"]]
+
+
 def gpus() -> int:
     import torch
 
@@ -120,25 +185,54 @@ def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: P
         "data=synthetic", f"train.steps={steps}", f"train.log_interval={log_interval}",
         f"train.seq_len={e['seq']}", f"train.micro_batch_size={e['mbs']}", "train.progress=false",
         "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "precision.main_grads_dtype=fp32",
-        "sharding.zero_dp_strategy=optim_grads_params", "sharding.outer_dp_sharding_strategy=no_shard",
-        "mesh.dp_outer=1", "mesh.dp_shard=-1", f"launcher.nproc_per_node={world}",
+        f"sharding.zero_dp_strategy={e.get('zero', 3)}", "sharding.outer_dp_sharding_strategy=no_shard",
+        "mesh.dp_outer=1", "mesh.dp_shard=-1", f"mesh.tp={e.get('tp', 1)}", f"mesh.cp={e.get('cp', 1)}",
+        f"launcher.nproc_per_node={world}",
         "checkpoint.save_final=false", "checkpoint.resume=never", f"run.dir={run_dir}",
     ]
     if e["model"] == "te_gpt":
         args.append("model.params_dtype=bf16")
     if e.get("n_layers"):
         args.append(f"model.n_layers={e['n_layers']}")
+    if e.get("ac", "none") != "none":
+        args.append(f"model.activation_checkpointing={e['ac']}")
+    if e.get("ac_every"):
+        args.append(f"model.ac_every={e['ac_every']}")
+    if e.get("force"):  # measure what happens past the pre-spawn memory check
+        args.append("launcher.force_memory=true")
     if e["precision"] != "bf16":
         args += [f"fp8.recipe={e['precision']}", f"fp8.params={str(e['fp8_params']).lower()}",
                  f"engine.keep_fp8_transpose_cache={str(e['fp8_params']).lower()}"]
     return args
 
 
+def run_bounded(cmd: list, timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd` for at most `timeout` s. On expiry the process and every descendant (torchrun and
+    the ranks, which sit in sessions of their own) get SIGKILL, so no rank keeps a GPU; the result
+    then has returncode -9 and "timed out" on stderr."""
+    sys.path.insert(0, str(ROOT))
+    from mfsdp_launch.supervise import kill_tree
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        err += f"\nbench: timed out after {timeout:.0f} s; killed the launcher and its descendants\n"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _peak_reserved(rows: list):
+    got = [r["peak_reserved_gib"] for r in rows if r.get("peak_reserved_gib") is not None]
+    return max(got) if got else None  # (None on a CPU)
+
+
 def run_launcher(e: dict, world: int, steps: int, log_interval: int, log) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{e['name']}-"))
     cmd = [sys.executable, "-m", "mfsdp_launch", *launcher_args(e, world, steps, log_interval, run_dir)]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_bounded(cmd, e.get("timeout", 600))
     log.write(f"\n=== {e['name']} ({time.time() - t0:.0f} s, exit {proc.returncode})\n$ {' '.join(cmd)}\n"
               f"{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}\n")
     log.flush()
@@ -146,9 +240,15 @@ def run_launcher(e: dict, world: int, steps: int, log_interval: int, log) -> dic
     if (run_dir / "metrics.jsonl").exists():
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     if proc.returncode != 0 or not rows:
-        return dict(e, ok=False, error=(proc.stderr or proc.stdout)[-800:], world=world)
+        from mfsdp_launch.oom import LINE_RE
+
+        oom = next((x for x in proc.stderr.splitlines() if LINE_RE.match(x)), None)
+        return dict(e, ok=False, oom=oom is not None, error=(oom or proc.stderr or proc.stdout)[-800:], world=world,
+                    peak_mem_gib=max((r["peak_mem_gib"] for r in rows), default=None),
+                    peak_reserved_gib=_peak_reserved(rows))
     use = rows[1:] or rows
     return dict(e, ok=True, world=world,
+                peak_reserved_gib=_peak_reserved(rows),
                 tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_gpu"] for r in use),
                 mfu=statistics.median(r["mfu"] for r in use) if use[0]["mfu"] is not None else None,
                 peak_mem_gib=max(r["peak_mem_gib"] for r in rows),
@@ -168,7 +268,7 @@ def run_bare(e: dict, world: int, steps: int, log) -> dict:
     if e.get("n_layers"):
         cmd += ["--n-layers", str(e["n_layers"])]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_bounded(cmd, e.get("timeout", 600))
     log.write(f"\n=== {e['name']} ({time.time() - t0:.0f} s, exit {proc.returncode})\n$ {' '.join(cmd)}\n"
               f"{proc.stdout[-20000:]}\n{proc.stderr[-4000:]}\n")
     log.flush()
@@ -178,6 +278,48 @@ def run_bare(e: dict, world: int, steps: int, log) -> dict:
             got.pop("name", None)
             return dict(e, **got, ok=True, wall_s=round(time.time() - t0, 1))
     return dict(e, ok=False, error=(proc.stderr or proc.stdout)[-800:], world=world)
+
+
+def estimate_entry(e: dict, world: int) -> dict:
+    """The dry run's per-rank estimate for an entry, from the overrides its run uses (no torch):
+    {"estimate_gib", "parts"} or {"refused": the one-line ConfigError}."""
+    sys.path.insert(0, str(ROOT))
+    from mfsdp_launch.config.compose import compose
+    from mfsdp_launch.errors import ConfigError
+    from mfsdp_launch.launch import check
+    from mfsdp_launch.memory import GIB, estimate
+    from mfsdp_launch.mesh import ParallelDims, world_size
+
+    args = launcher_args(e, world, e.get("steps", 6), e.get("log_interval", 2), Path(tempfile.gettempdir()) / "bench-dry")
+    out = {}
+    try:
+        cfg = compose([*args, "launcher.dry_run=true"])
+        check(cfg)
+    except ConfigError as exc:
+        out["refused"] = str(exc)  # (still estimated below: what it would need once allowed)
+    try:
+        est = estimate(cfg, ParallelDims.from_config(cfg.mesh, world_size(cfg.launcher)))
+    except Exception:  # noqa: BLE001 - a config too broken to estimate
+        return out
+    return dict(out, estimate_gib=est.total / GIB, parts={k: round(v / GIB, 2) for k, v in est.as_dict().items()})
+
+
+def _axes(e: dict) -> str:
+    fp8 = e["precision"] if e["precision"] != "bf16" else "-"
+    return (f"{e['engine']} {_model(e)} z{e.get('zero', 3)} ac={e.get('ac', 'none')}"
+            f"{e.get('ac_every', '') and '/' + str(e['ac_every'])} tp{e.get('tp', 1)} cp{e.get('cp', 1)} fp8={fp8}"
+            f"{'+params' if e.get('fp8_params') else ''} seq{e['seq']}x{e['mbs']}")
+
+
+def plan(todo: list, world: int) -> int:
+    """--dry: each planned run with its estimate (or the one line that refuses it); runs nothing."""
+    for e in todo:
+        est = estimate_entry(e, world)
+        what = f"~{est['estimate_gib']:6.1f} GiB" if "estimate_gib" in est else ""
+        what += f"  refused today: {est['refused']}" if est.get("refused") else ""
+        ref = f"  (measured {e['measured_gib']} GiB)" if e.get("measured_gib") else ""
+        print(f"{e['name']:44s} {_axes(e):70s} {what}{ref}", flush=True)
+    return 0
 
 
 def load_results() -> dict:
@@ -212,7 +354,7 @@ def render(res: dict) -> None:
              "| run | engine | model | seq | mbs | precision | FP8 params | GPUs | tokens/s/GPU | MFU | peak mem GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        if r.get("profile"):
+        if r.get("profile") or r.get("group") in MEMORY_GROUPS:  # those are in memory.md
             continue
         if not r.get("ok"):
             lines.append(f"| {r['name']} | {r['engine']} | {_model(r)} | {r['seq']} | {r['mbs']} | "
@@ -291,15 +433,75 @@ def render(res: dict) -> None:
     fig.savefig(OUT / "throughput.png", dpi=110)
 
 
+def _mem_cell(r: dict) -> str:
+    if r.get("refused"):
+        return "refused"
+    if r.get("oom"):
+        return "OOM"
+    if not r.get("ok"):
+        return "failed"
+    return _fmt(r.get("peak_reserved_gib"), ".1f")
+
+
+def render_memory(res: dict) -> None:
+    """bench/memory.md: estimate vs measured for the memory groups' runs, then the reference points."""
+    order = {e["name"]: i for i, e in enumerate(MATRIX)}
+    runs = sorted((r for r in res["runs"].values() if r.get("group") in MEMORY_GROUPS),
+                  key=lambda r: order.get(r["name"], 999))
+    lines = [f"# Memory: the dry-run estimate against the measured peak ({res.get('device', '?')})", "",
+             "Written by `scripts/bench.py --group memory` (and ac_peak, ac8b, te_tp, cp32k). The estimate is "
+             "`mfsdp_launch/memory.py` for the same overrides; it aims at the **reserved** peak "
+             "(torch.cuda.max_memory_reserved, what runs out); `allocated` is max_memory_allocated. "
+             "Target: within 15 % of reserved. OOM: the run ran out of memory (the estimate says by how much "
+             "it should have). bf16 compute, fp32 main weights and gradients, synthetic data, "
+             "launcher.force_memory=true. How the estimate works: docs/memory.md.", "",
+             "| run | engine, model, ZeRO, AC, tp, cp, FP8, seq x mbs | estimate GiB | reserved GiB | allocated GiB "
+             "| estimate / reserved | within 15 % | tokens/s/GPU |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        est, got = r.get("estimate_gib"), r.get("peak_reserved_gib") if r.get("ok") else None
+        ratio = est / got if (est and got) else None
+        within = ("yes" if abs(ratio - 1) <= 0.15 else "**no**") if ratio else ""
+        lines.append(f"| {r['name']} | {_axes(r)} | {_fmt(est, '.1f')} | {_mem_cell(r)} | "
+                     f"{_fmt(r.get('peak_mem_gib') if r.get('ok') else None, '.1f')} | {_fmt(ratio, '.2f')} | {within} | "
+                     f"{_fmt(r.get('tokens_per_s_per_gpu'), ',.0f')} |")
+    lines += ["", "## Reference points measured before (max_memory_allocated)", "",
+              "| point | engine, model, ZeRO, AC, tp, cp, FP8, seq x mbs | estimate GiB | measured GiB | ratio | source |",
+              "|---|---|---|---|---|---|"]
+    for e in memory_reference():
+        est = estimate_entry(e, 2).get("estimate_gib")
+        lines.append(f"| {e['name']} | {_axes(e)} | {_fmt(est, '.1f')} | {e['measured_gib']:.1f} | "
+                     f"{_fmt(est / e['measured_gib'] if est else None, '.2f')} | {e['source']} |")
+    by = {r["name"]: r for r in runs if r.get("ok")}
+    none, full = by.get("acpeak_gpt_1.4b_mbs8_none"), by.get("acpeak_gpt_1.4b_mbs8_full")
+    notes = []
+    if none and full:
+        q = full["peak_reserved_gib"] / none["peak_reserved_gib"]
+        notes.append(f"- AC full / none, gpt 1.4b seq 4096 mbs 8: reserved peak **{q:.2f}x** (target <= 0.6)")
+    for model in ("gpt", "te_gpt"):
+        one, two = res["runs"].get(f"cp32k_{model}_3b_cp1"), by.get(f"cp32k_{model}_3b_cp2")
+        if one and two:
+            notes.append(f"- {model} 3b seq 32768: cp=2 trains at {two['peak_reserved_gib']:.1f} GiB, "
+                         f"{two['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; cp=1: {_mem_cell(one)}")
+    if notes:
+        lines += ["", *notes]
+    (OUT / "memory.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--group", action="append", default=[], help="gpt | gpt_pair | te | te_deep | te_more | te_profile | hf_vs_gpt")
+    ap.add_argument("--group", action="append", default=[],
+                    help="gpt | gpt_pair | te | te_deep | te_more | te_profile | hf_vs_gpt | " + " | ".join(MEMORY_GROUPS))
     ap.add_argument("--only", action="append", default=[], help="entry names")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--log-interval", type=int, default=5)
     ap.add_argument("--report", action="store_true", help="only re-render results.md / throughput.png")
     ap.add_argument("--log", default=str(OUT / "bench.log"))
+    ap.add_argument("--dry", action="store_true", help="print the planned runs and their memory estimates; run nothing")
+    ap.add_argument("--world", type=int, default=2, help="GPUs assumed by --dry (default 2)")
     a = ap.parse_args()
+    if a.dry:
+        pool = MATRIX + (memory_reference() if "memory_reference" in a.group else [])
+        return plan([e for e in pool if e["group"] in a.group or e["name"] in a.only], a.world)
     res = load_results()
     if not a.report:
         import torch
@@ -315,10 +517,14 @@ def main() -> int:
             for e in todo:
                 t0 = time.time()
                 steps = e.get("steps", a.steps)
-                if e["kind"] == "bare":
+                est = estimate_entry(e, world) if e["group"] in MEMORY_GROUPS else {}
+                if est.get("refused"):  # refused before spawning: record it, spend no GPU time
+                    r = dict(e, ok=False, world=world, error=est["refused"], **est)
+                elif e["kind"] == "bare":
                     r = run_bare(e, world, steps if not e.get("profile") else 8, log)
                 else:
                     r = run_launcher(e, world, steps, e.get("log_interval", a.log_interval), log)
+                r.update(est)
                 r["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
                 res["runs"][e["name"]] = r
                 save_results(res)
@@ -334,6 +540,7 @@ def main() -> int:
                 if not r.get("ok"):
                     print("   " + r.get("error", "")[-600:].replace("\n", "\n   "), flush=True)
     render(res)
+    render_memory(res)
     return 0
 
 

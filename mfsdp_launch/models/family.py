@@ -99,6 +99,10 @@ class ModelFamily:
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
         raise NotImplementedError
 
+    def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> dict:
+        """The memory estimate's activation lines (memory.py); LLM families split off the logits."""
+        return {"activations": self.activation_bytes(m, micro_batch_size, seq_len, bytes_per_el), "logits": 0}
+
     def largest_unit_params(self, m) -> int:
         """Parameters of the largest FSDP unit (the most one all-gather materializes)."""
         return self.param_count(m)

@@ -160,31 +160,66 @@ def flops_per_token(d: GPTDims, seq_len: int) -> float:
     return lm_flops_per_token(matmul_params(d), d.n_layers, d.dim, seq_len)
 
 
-def activation_bytes(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
-                     activation_checkpointing: str = "none", ac_every: int = 1, tp: int = 1) -> int:
-    """Rough bytes of activations one rank keeps for backward, one micro-batch.
+# Bytes per logit alive when the loss's backward starts (lm_loss: cross-entropy in fp32): the
+# log-softmax output it saved, the gradient arriving at it and the gradient it returns, each fp32.
+LOSS_BYTES_PER_LOGIT = 12
 
-    Per token and layer (flash attention, no dropout): attention 4d + 2kv (norm in/out, q/k/v,
-    output), SwiGLU 2d + 3f; plus the embedding output, the final norm and the logits (V in the
-    compute dtype plus their fp32 copy for the loss). Tensor parallelism (no sequence parallelism)
-    splits q/k/v, the attention output and the SwiGLU intermediates over `tp`; the norms' inputs
-    and outputs (4d) stay whole on every rank. A checkpointed block keeps only its input (d), plus
-    one block's full set while it recomputes. `activation_checkpointing`: none | full | selective
-    (every `ac_every`-th block checkpointed, models/checkpointing.py). A lower bound.
-    """
-    tokens = micro_batch_size * seq_len
-    per_layer = 4 * d.dim + (2 * d.dim + 2 * d.kv_dim + 3 * d.ffn_dim) / tp
+
+def checkpointed_count(n_layers: int, activation_checkpointing: str = "none", ac_every: int = 1) -> int:
+    """How many blocks recompute (models/checkpointing.py's rule, counted without torch)."""
     mode = str(activation_checkpointing)
     if mode == "full":
-        n_ckpt = d.n_layers
-    elif mode == "selective":
-        n_ckpt = len(range(0, d.n_layers, max(ac_every, 1)))
+        return n_layers
+    if mode == "selective":
+        return len(range(0, n_layers, max(ac_every, 1)))
+    return 0
+
+
+def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
+                     activation_checkpointing: str = "none", ac_every: int = 1, tp: int = 1,
+                     te_layers: bool = False) -> dict:
+    """Bytes one rank holds for backward at the start of the backward pass, one micro-batch:
+    {"activations": the blocks and embedding, "logits": the loss's buffers}.
+
+    Per token and block, counted from what autograd saves (calibrated against the measured peaks
+    in bench/memory_reference.json):
+      * torch `gpt`: 7d + 3kv + 4f elements: both norms' input and output (4d), the fused qkv
+        output (d + 2kv; v is a view that keeps it alive), RoPE'd q and k (d + kv), the attention
+        output (d), the fused gate|up output (2f), silu(gate) and its product with up (2f).
+        Under DTensor TP (models/parallelize.py, no sequence parallelism) everything but the
+        norms (4d) splits over tp, and each block keeps its local rows of the two fused weights
+        for backward (a weight-sized copy).
+      * TE `te_gpt` TransformerLayer: 6d + 2kv + 3f (its fused kernels save less); with tp its
+        sequence parallelism splits all of it.
+    A checkpointed block keeps only its input, plus one block's full set while it recomputes.
+    Logits: `LOSS_BYTES_PER_LOGIT` per token and vocab entry (the head is whole on every tp rank).
+    """
+    tokens = micro_batch_size * seq_len
+    if te_layers:
+        per_layer, ckpt_in, weights = (6 * d.dim + 2 * d.kv_dim + 3 * d.ffn_dim) / tp, d.dim / tp, 0.0
     else:
-        n_ckpt = 0
-    layers = n_ckpt * d.dim + (d.n_layers - n_ckpt) * per_layer + (per_layer if n_ckpt else 0)
-    elements = tokens * (layers + 3 * d.dim)
-    logits = tokens * d.vocab_size * (bytes_per_el + 4)
-    return int(elements * bytes_per_el + logits)
+        per_layer = 4 * d.dim + (3 * d.dim + 3 * d.kv_dim + 4 * d.ffn_dim) / tp
+        ckpt_in = d.dim
+        # The local fused weights torch.cat'ed per forward (tp > 1 only), per token of this micro-batch.
+        weights = (d.dim * (d.dim + 2 * d.kv_dim) + 2 * d.dim * d.ffn_dim) / tp / tokens if tp > 1 else 0.0
+    n_ckpt = checkpointed_count(d.n_layers, activation_checkpointing, ac_every)
+    layers = n_ckpt * ckpt_in + live_blocks(d, activation_checkpointing, ac_every) * (per_layer + weights)
+    return {"activations": int(tokens * (layers + 3 * d.dim) * bytes_per_el),
+            "logits": int(tokens * d.vocab_size * LOSS_BYTES_PER_LOGIT)}
+
+
+def live_blocks(d: GPTDims, activation_checkpointing: str = "none", ac_every: int = 1) -> int:
+    """Blocks whose forward state is alive at the start of backward (one recomputing, if any)."""
+    n_ckpt = checkpointed_count(d.n_layers, activation_checkpointing, ac_every)
+    return d.n_layers - n_ckpt + (1 if n_ckpt else 0)
+
+
+def activation_bytes(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
+                     activation_checkpointing: str = "none", ac_every: int = 1, tp: int = 1,
+                     te_layers: bool = False) -> int:
+    """`activation_parts`, summed."""
+    return sum(activation_parts(d, micro_batch_size, seq_len, bytes_per_el, activation_checkpointing, ac_every,
+                                tp, te_layers).values())
 
 
 def describe(d: GPTDims, preset: str) -> str:
