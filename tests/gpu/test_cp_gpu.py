@@ -57,3 +57,22 @@ def test_32k_sequence_at_cp2_needs_about_half_the_memory():
     two = _peak_mem("cp2_32k", *long, "launcher.nproc_per_node=2", "mesh.cp=2")
     print(f"32k tokens: peak memory cp=1 {one:.2f} GiB, cp=2 {two:.2f} GiB per GPU")
     assert two < 0.7 * one, (one, two)
+
+
+def test_3b_32k_trains_at_cp2_where_cp1_runs_out_of_memory():
+    """The issue's acceptance on 2 H200s: the 3b preset on 32k-token sequences runs out of memory
+    at cp=1 (one sequence per GPU) and trains at cp=2 (one sequence split over both)."""
+    require_gpus(2)
+    big = ["model=gpt", "model.preset=3b", "data=synthetic", "train.seq_len=32768", "train.micro_batch_size=1",
+           "train.steps=3", "train.log_interval=1", "train.progress=false", "precision.compute_dtype=bf16",
+           "precision.main_params_dtype=fp32", "checkpoint.save_final=false", "launcher.force_memory=true",
+           "launcher.nproc_per_node=2", "engine=fsdp2"]
+    run_dir = fresh_run_dir("cp1_3b_32k")
+    proc = cli("cp1_3b_32k", *big, f"run.dir={run_dir}", timeout=200)
+    assert proc.returncode == 1 and "OutOfMemoryError" in proc.stdout + proc.stderr, proc.stdout[-2000:]
+    run_dir = fresh_run_dir("cp2_3b_32k")
+    proc = cli("cp2_3b_32k", *big, "mesh.cp=2", f"run.dir={run_dir}", timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = [x for x in rows(run_dir) if "loss" in x]
+    print(f"3b, 32k tokens, cp=2: {r[-1]['peak_mem_gib']:.1f} GiB, {r[-1]['tflops_per_gpu']:.0f} TFLOP/s/GPU")
+    assert len(r) == 3 and all(x["loss"] == x["loss"] for x in r), r
