@@ -41,7 +41,10 @@ def _attention_worker(rank: int, cp: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=cp)
     try:
         (q, k, v), w, y_ref, grads_ref = _reference(seed=7)
-        shard = lambda t: cp_layout.shard_sequence(t, 2, rank, cp)  # noqa: E731
+
+        def shard(t):
+            return cp_layout.shard_sequence(t, 2, rank, cp)
+
         leaves = [shard(t).clone().requires_grad_() for t in (q, k, v)]
         y = ContextParallel(dist.group.WORLD, rank, cp).attend(*leaves)
         (y * shard(w)).sum().backward()
