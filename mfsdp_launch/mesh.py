@@ -149,7 +149,8 @@ class ParallelDims:
         return mesh
 
 
-def replicate_mesh(mesh):
-    """The flat dp dim as a 2-D (replicate, shard=1) mesh: FSDP2's way of plain replication."""
-    dp = mesh["dp"]
+def replicate_mesh(mesh, dim: str = "dp"):
+    """A flat dim ("dp", or "hsdp" to include cp) as a 2-D (replicate, shard=1) mesh: FSDP2's way
+    of plain replication."""
+    dp = mesh[dim]
     return dp._unflatten(0, (dp.size(), 1), ("dp_replicate", "dp_single"))

@@ -57,6 +57,10 @@ class Runtime:
     def dp_rank(self) -> int:
         return self.dims.dp_rank(self.rank)
 
+    @property
+    def cp_rank(self) -> int:
+        return self.dims.coords(self.rank)["cp"]
+
 
 def init_runtime(engine_cfg, mesh_cfg) -> Runtime:
     """Join the process group (torchrun's env), pick the device, build the mesh."""
@@ -134,15 +138,35 @@ def build_training(cfg, rt: Runtime) -> Training:
 
 
 def apply_model_parallel(model, cfg, rt: Runtime) -> None:
-    """TP (models/parallelize.py) over the mesh's tp dim, then activation checkpointing."""
+    """TP (models/parallelize.py) over the mesh's tp dim, context parallelism
+    (models/context_parallel.py) over its cp dim, then activation checkpointing."""
     if rt.dims.tp > 1:
         from .models.parallelize import parallelize
 
         parallelize(model, cfg.model.name, rt.mesh["tp"])
+    if splits_sequence(cfg, rt):
+        from .models.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, cfg.model.name, rt.mesh["cp"])
     if str(cfg.model.activation_checkpointing) != "none":
         from .models.checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, cfg.model.activation_checkpointing, cfg.model.ac_every)
+
+
+def splits_sequence(cfg, rt: Runtime) -> bool:
+    """mesh.cp > 1 with a family that splits each sequence over cp (the toys replicate over it)."""
+    return rt.dims.cp > 1 and family(cfg.model.name).context_parallel
+
+
+def _to_device(cfg, rt: Runtime, batch: dict) -> dict:
+    """A batch on the device; under context parallelism this cp rank's part of each sequence
+    (models/cp_layout.py). Every rank of a cp group reads the same samples (dp_rank excludes cp)."""
+    if splits_sequence(cfg, rt):
+        from .models.cp_layout import shard_sequence
+
+        batch = {k: shard_sequence(v, 1, rt.cp_rank, rt.dims.cp) for k, v in batch.items()}
+    return {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
 
 
 @dataclass
@@ -185,8 +209,7 @@ def batch_source(cfg, spec: ModelSpec, rt: Runtime, resumed=None) -> Callable[[i
         base = {"base_step": resumed.step, "base_samples": resumed.consumed_samples} if resumed else {}
 
         def next_batch(step: int, micro: int) -> dict:
-            b = batches.microbatch(step, micro, grad_accum_steps=t.grad_accum_steps, **base)
-            return {k: v.to(device, non_blocking=True) for k, v in b.items()}
+            return _to_device(cfg, rt, batches.microbatch(step, micro, grad_accum_steps=t.grad_accum_steps, **base))
 
         return next_batch
     # The seed's toys train on one fixed (input, target) pair per data-parallel rank.
@@ -210,9 +233,8 @@ def val_batch_source(cfg, spec: ModelSpec, rt: Runtime) -> Optional[Callable[[in
                            seed=t.seed, dp_rank=rt.dp_rank, dp_size=rt.dims.dp_size, split="val")
 
     def val_batch(val_step: int) -> dict:
-        b = batches.batch(val_batch_start(val_step, micro_batch_size=t.micro_batch_size, dp_rank=rt.dp_rank,
-                                          dp_size=rt.dims.dp_size))
-        return {k: v.to(rt.device, non_blocking=True) for k, v in b.items()}
+        return _to_device(cfg, rt, batches.batch(val_batch_start(val_step, micro_batch_size=t.micro_batch_size,
+                                                                 dp_rank=rt.dp_rank, dp_size=rt.dims.dp_size)))
 
     return val_batch
 

@@ -27,7 +27,7 @@ def test_gpt_tp2_under_fsdp2_is_accepted():
     (["model=gpt", "engine=megatron_fsdp"], "mesh.tp", "untested"),
     (["model=te_gpt"], "mesh.tp", "no tensor"),
     (["model=toy_cnn"], "mesh.tp", "no tensor parallelism"),
-    (["model=gpt", "mesh.tp=1", "mesh.cp=2"], "mesh.cp", "data-parallel"),
+    (["model=te_gpt", "mesh.tp=1", "mesh.cp=2"], "mesh.cp", "no context parallelism"),
     (["model=gpt", "model.activation_checkpointing=selective", "model.ac_every=0"], "model.ac_every", ">= 1"),
 ])
 def test_refusals(overrides, key, words):

@@ -148,12 +148,7 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     if dims.tp > 1:
         _check_tp(fam, caps)
     if dims.cp > 1:
-        key = "mesh.cp"
-        if not caps.model_parallel:
-            raise ConfigError(key, f"engine={caps.name} shards over the data-parallel dims only",
-                              f"1 with engine={caps.name}, or engine=megatron_fsdp")
-        if not fam.model_parallel:
-            raise ConfigError(key, f"model={fam.name} has no tensor/context parallelism yet", "1")
+        _check_cp(cfg, fam, caps)
     if dims.cp > 1 and cfg.train.seq_len % (2 * dims.cp):
         # models/cp_layout.py: each cp rank holds two of 2*cp equal chunks (load balance).
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by 2*mesh.cp={2 * dims.cp}",
@@ -187,6 +182,22 @@ def _check_tp(fam, caps: EngineCaps) -> None:
         raise ConfigError("mesh.tp", f"engine={caps.name} shards over the data-parallel dims only",
                           f"1 with engine={caps.name}, or engine=megatron_fsdp")
     raise ConfigError("mesh.tp", f"model={fam.name} has no tensor parallelism under engine={caps.name} yet", "1")
+
+
+def _check_cp(cfg, fam, caps: EngineCaps) -> None:
+    """cp > 1: a family that splits sequences over cp (models/context_parallel.py) under an engine
+    that averages gradients over dp_shard x cp, or the seed's toys replicated over the engine's cp."""
+    if caps.model_parallel and fam.model_parallel:
+        return
+    cp_models = "|".join(name for name, f in FAMILIES.items() if f.context_parallel)
+    if not fam.context_parallel:
+        raise ConfigError("mesh.cp", f"model={fam.name} has no context parallelism yet", f"1, or model={cp_models}")
+    if not caps.context_parallel:
+        raise ConfigError("mesh.cp", f"engine={caps.name} shards over the data-parallel dims only",
+                          f"1 with engine={caps.name}, or engine=megatron_fsdp")
+    if cfg.data.doc_mask:
+        raise ConfigError("data.doc_mask", f"a document mask with mesh.cp={cfg.mesh.cp} is not supported",
+                          "false, or mesh.cp=1")
 
 
 def _check_activation_checkpointing(m, fam) -> None:

@@ -27,6 +27,8 @@ class EngineCaps:
     main_params_dtypes: FrozenSet = frozenset({None, *Dtype})
     # Shards models whose parameters are DTensors on the mesh's tp dim (models/parallelize.py).
     dtensor_tp: bool = False
+    # Averages gradients over dp_shard x cp, so a family that splits sequences over cp can run.
+    context_parallel: bool = False
     why_not: str = ""  # appended to refusals: what to use instead
 
 
@@ -37,6 +39,7 @@ ENGINES: Dict[str, EngineCaps] = {
             name="megatron_fsdp", target="mfsdp_launch.engines.megatron:MegatronFSDPEngine", needs_cuda=True,
             zero=frozenset(ZeroStrategy), outer=frozenset(OuterStrategy), model_parallel=True,
             fp8_params=True, te_fused_optim=True, cuda_graph=True, default_mesh=True,
+            context_parallel=True,
         ),
         EngineCaps(
             # FSDP2 shards only over the data-parallel dims; ZeRO-1 and HFSDP have no FSDP2 form, and
@@ -46,7 +49,8 @@ ENGINES: Dict[str, EngineCaps] = {
             outer=frozenset({OuterStrategy.no_shard}), model_parallel=False, fp8_params=False,
             te_fused_optim=False, cuda_graph=False, default_mesh=False,
             main_params_dtypes=frozenset({None, *WIDE_DTYPES}), why_not="use engine=megatron_fsdp",
-            dtensor_tp=True,  # a 2-D mesh: FSDP over dp, DTensor TP over tp (no cp)
+            dtensor_tp=True,  # a 2-D mesh: FSDP over dp (x cp), DTensor TP over tp
+            context_parallel=True,  # shards over the flattened dp_shard_cp dim
         ),
     )
 }

@@ -7,6 +7,7 @@ HFSDP are refused by validation: FSDP2 cannot express them.
 With mesh.tp > 1 the model arrives with DTensor parameters on the mesh's tp dim
 (models/parallelize.py); FSDP2 shards them over the dp dims, a 2-D (dp, tp) layout, as torchtitan.
 DCP saves them in their global shapes, so a checkpoint resumes at any other tp.
+With mesh.cp > 1 the shard dim is the flattened dp_shard x cp ("dp_shard_cp"), as torchtitan.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ class FSDP2Engine(Engine):
     name = "fsdp2"
 
     def _shard_mesh(self):
+        # With mesh.cp > 1 the cp ranks hold different tokens of the same samples: FSDP shards
+        # (and averages gradients) over dp_shard x cp, the flattened "dp_shard_cp" dim.
         zero = ZeroStrategy(self.sharding_cfg.zero_dp_strategy)
         if zero is ZeroStrategy.no_shard:
-            return replicate_mesh(self.mesh)
+            return replicate_mesh(self.mesh, "hsdp" if self.dims.cp > 1 else "dp")
         if self.dims.dp_outer > 1:
-            return self.mesh["dp_outer", "dp_shard"]
-        return self.mesh["dp_shard"]
+            return self.mesh["dp_outer", self.dims.dp_shard_dim]
+        return self.mesh[self.dims.dp_shard_dim]
 
     def shard(self, model, spec, *, init_on_meta: bool):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -79,9 +82,9 @@ class FSDP2Engine(Engine):
             import torch.distributed as dist
 
             return dist.group.WORLD
-        if ZeroStrategy(self.sharding_cfg.zero_dp_strategy) is ZeroStrategy.no_shard or self.dims.dp_shard == 1:
+        if ZeroStrategy(self.sharding_cfg.zero_dp_strategy) is ZeroStrategy.no_shard or self.dims.shard_size == 1:
             return None
-        return self.mesh["dp_shard"].get_group()
+        return self.mesh[self.dims.dp_shard_dim].get_group()
 
     def state_dict(self, model, optimizer) -> Dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

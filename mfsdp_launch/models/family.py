@@ -70,6 +70,8 @@ class ModelFamily:
     measured = False
     activation_checkpointing = False  # has blocks that model.activation_checkpointing can wrap
     dtensor_tp = False  # tensor parallel through DTensor (models/parallelize.py)
+    # Splits each sequence over mesh.cp (models/context_parallel.py); batches are sharded per cp rank.
+    context_parallel = False
     # Its loss passes a batch's "doc_ids" (data.doc_mask) on to a forward that masks attention per document.
     doc_mask = False
 

@@ -21,6 +21,12 @@ class GPTFamily(ModelFamily):
         would need TE's own tp_group/sequence_parallel, not wired yet."""
         return not self.has_te_layers
 
+    @property
+    def context_parallel(self) -> bool:
+        """mesh.cp through all-gather attention (models/context_parallel.py): the torch GPT only;
+        te_gpt needs TE's own context-parallel attention."""
+        return not self.has_te_layers
+
     def dims(self, m) -> L.GPTDims:
         return L.resolve_gpt_dims(m)
 

@@ -63,11 +63,16 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [seq_len, head_dim] in fp32, "rotate half" layout (as HF and TE's
-    non-interleaved RotaryPositionEmbedding: the frequencies repeated over both halves)."""
+def rope_cos_sin(positions, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [len(positions), head_dim] in fp32, "rotate half" layout (as HF and TE's
+    non-interleaved RotaryPositionEmbedding: the frequencies repeated over both halves).
+
+    `positions`: a sequence length (positions 0..n-1) or the tokens' positions (context
+    parallelism: a rank's tokens are not contiguous)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
+    positions = positions.to(device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
@@ -89,6 +94,8 @@ class Attention(nn.Module):
         # One GEMM for q, k and v.
         self.wqkv = Linear(d.dim, d.dim + 2 * d.kv_dim, INIT_STD, **kw)
         self.wo = Linear(d.dim, d.dim, out_std, **kw)
+        # Set by models/context_parallel.py under mesh.cp > 1: this rank holds part of the sequence.
+        self.context_parallel = None
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -99,9 +106,14 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, hd).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
-        cos, sin = rope_cos_sin(T, hd, self.rope_theta, x.device)
+        cp = self.context_parallel
+        cos, sin = rope_cos_sin(T if cp is None else cp.positions(T, x.device), hd, self.rope_theta, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if mask is None:
+        if cp is not None:
+            if mask is not None:  # validation refuses data.doc_mask with mesh.cp > 1
+                raise ValueError("a document mask with context parallelism is not supported")
+            y = cp.attend(q, k, v)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         else:
             if self.n_kv_heads != self.n_heads:  # expanded: the masked (memory-efficient) kernels lack GQA
