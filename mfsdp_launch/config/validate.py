@@ -150,7 +150,7 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
         if not caps.model_parallel:
             raise ConfigError(key, f"engine={caps.name} shards over the data-parallel dims only",
                               f"1 with engine={caps.name}, or engine=megatron_fsdp")
-        if not fam.model_parallel:
+        if not (fam.model_parallel or fam.context_parallel):
             raise ConfigError(key, f"model={fam.name} has no tensor/context parallelism yet", "1")
     if dims.cp > 1 and cfg.train.seq_len % (2 * dims.cp):
         # models/cp_layout.py: each cp rank holds two of 2*cp equal chunks (load balance).
@@ -173,14 +173,16 @@ def _check_memory(cfg, dims: ParallelDims) -> List[str]:
 
 def _check_tp(fam, caps: EngineCaps) -> None:
     """tp > 1: the engine's own TP mesh with a family that replicates over it (the seed's toys on
-    Megatron-FSDP), or DTensor TP parameters (models/parallelize.py) under an engine that shards them."""
+    Megatron-FSDP) or is tensor-parallel inside its TE layers (te_gpt), or DTensor TP parameters
+    (models/parallelize.py) under an engine that shards them."""
     dtensor_tp = fam.dtensor_tp
-    if (caps.model_parallel and fam.model_parallel) or (caps.dtensor_tp and dtensor_tp):
+    if (caps.model_parallel and (fam.model_parallel or fam.te_tp)) or (caps.dtensor_tp and dtensor_tp):
         return
     if dtensor_tp:
-        raise ConfigError("mesh.tp", f"engine={caps.name} with DTensor tensor-parallel parameters is untested "
-                          f"(GPU-only); model={fam.name} has tensor parallelism under engine=fsdp2",
-                          "1, or engine=fsdp2")
+        raise ConfigError("mesh.tp", f"engine={caps.name} with model={fam.name}'s DTensor tensor parallelism is "
+                          "not supported: Megatron-FSDP 0.6.1 takes DTensor parameters, but this plan "
+                          "redistributes its fused weights inside forward, never run on Megatron-FSDP's "
+                          "swapped-in parameters", "1, engine=fsdp2, or model=te_gpt (TE's own TP)")
     if not (caps.model_parallel or caps.dtensor_tp):
         raise ConfigError("mesh.tp", f"engine={caps.name} shards over the data-parallel dims only",
                           f"1 with engine={caps.name}, or engine=megatron_fsdp")

@@ -83,6 +83,7 @@ class MegatronFSDPEngine(Engine):
         super().__init__(**engine_args)
         self.plan: Optional[MegatronPlan] = None
         self._model = None
+        self._te_tp_group = None
 
     # ------------------------------------------------------------------------------ wrap
 
@@ -101,6 +102,9 @@ class MegatronFSDPEngine(Engine):
                               f"FSDP unit ({', '.join(c.__name__ for c in units) or 'none given'}); "
                               "ZeRO-3 needs at least one", "class names of the model's blocks")
         _cast_model(model, torch_dtype(plan.compute_dtype))
+        from ..models.te_parallel import tp_group_of
+
+        self._te_tp_group = tp_group_of(model)
         policy = mfsdp.MixedPrecisionPolicy(
             main_params_dtype=torch_dtype(plan.main_params_dtype),
             main_grads_dtype=torch_dtype(plan.main_grads_dtype),
@@ -174,17 +178,37 @@ class MegatronFSDPEngine(Engine):
             return None
         return group
 
-    def _grads(self, model) -> List[torch.Tensor]:
-        attr = "decoupled_grad" if self.plan is not None and self.plan.use_decoupled_grad else "grad"
+    def _grad_attr(self) -> str:
+        return "decoupled_grad" if self.plan is not None and self.plan.use_decoupled_grad else "grad"
+
+    def _grads(self, model, tp_sharded: Optional[bool] = None) -> List[torch.Tensor]:
+        """Local gradient shards; `tp_sharded` picks TE's tensor-parallel shards (True) or the
+        parameters replicated over tp (False)."""
+        from ..models.te_parallel import is_tp_sharded
+
         out = []
         for p in unwrap(model).parameters():
-            g = getattr(p, attr, None)
-            if g is None:
+            g = getattr(p, self._grad_attr(), None)
+            if g is None or (tp_sharded is not None and is_tp_sharded(p) != tp_sharded):
                 continue
             g = local_tensor(g)
             if g.numel():
                 out.append(g)
         return out
+
+    def tp_group(self):
+        """The tp group of a model with TE tensor-parallel layers (models/te_parallel.py), else None
+        (the seed's toys replicate over tp)."""
+        return self._te_tp_group
+
+    def _square_norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            sq = sq + torch.stack(torch._foreach_norm(gs, 2.0, dtype=torch.float32)).pow(2).sum()
+        return sq
 
     def clip_grad_norm(self, model, max_norm: Optional[float]) -> torch.Tensor:
         """Global L2 norm over uneven shards (None where a shard is empty); scales to max_norm."""
@@ -192,20 +216,30 @@ class MegatronFSDPEngine(Engine):
         if not getattr(m, "model_auto_sync", True):
             raise RuntimeError("clip_grad_norm before the gradients were synchronized: call "
                                "set_grad_sync(model, True) before the last microbatch's backward")
-        grads = self._grads(m)
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for gs in by_dtype.values():
-            norms = torch._foreach_norm(gs, 2.0, dtype=torch.float32)
-            sq = sq + torch.stack(norms).pow(2).sum()
+        tp_group = self.tp_group()
+        if tp_group is None:
+            grads = self._grads(m)
+            sq = self._square_norm(grads)
+        else:
+            from ..models.te_parallel import sync_sequence_parallel_grads
+
+            # Norm weights under sequence parallelism saw 1/tp of the tokens: sum them first.
+            sync_sequence_parallel_grads(m.parameters(), tp_group, self._grad_attr())
+            # TP shards are disjoint over tp; replicated parameters are counted once (1/tp per rank).
+            grads = self._grads(m)
+            sq = self._square_norm(self._grads(m, tp_sharded=True)) + \
+                self._square_norm(self._grads(m, tp_sharded=False)) / self.dims.tp
         group = self.grad_norm_group()
         if group is not None:
             dist.all_reduce(sq, group=group)
+        if tp_group is not None:
+            dist.all_reduce(sq, group=tp_group)
         total = sq.sqrt()
         if max_norm is not None and grads:
             scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+            for g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
             for dtype, gs in by_dtype.items():
                 torch._foreach_mul_(gs, scale.to(dtype))
         return total

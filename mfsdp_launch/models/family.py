@@ -70,6 +70,11 @@ class ModelFamily:
     measured = False
     activation_checkpointing = False  # has blocks that model.activation_checkpointing can wrap
     dtensor_tp = False  # tensor parallel through DTensor (models/parallelize.py)
+    # Tensor parallel inside its Transformer Engine layers (models/te_parallel.py): `spec` takes the
+    # tp degree (TE builds local shards), the engine's tp mesh dim shards nothing more.
+    te_tp = False
+    # Shards its sequence over the mesh's cp dim (models/cp_layout.py batches; attention across ranks).
+    context_parallel: bool = False
     # Its loss passes a batch's "doc_ids" (data.doc_mask) on to a forward that masks attention per document.
     doc_mask = False
 

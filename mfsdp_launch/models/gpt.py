@@ -27,13 +27,17 @@ class GPTFamily(ModelFamily):
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)  # every dimension rule, with the key that breaks it
         self.check_init_from(m)
-        # (tp dividing n_heads is validation's generic rule for every family with attention)
+        self.check_tp_dims(d, ctx)
+        return []
+
+    def check_tp_dims(self, d: L.GPTDims, ctx: ModelContext) -> None:
+        """What tp must divide (gpt's DTensor plan and te_gpt's TE layers alike). tp dividing
+        n_heads is validation's generic rule for every family with attention."""
         if ctx.tp > 1 and d.n_kv_heads % ctx.tp:
             raise ConfigError("mesh.tp", f"{ctx.tp} does not divide the {d.n_kv_heads} key/value heads of "
                               f"model={self.name} (model.n_kv_heads)", "a divisor of model.n_kv_heads")
         if ctx.tp > 1 and d.ffn_dim % ctx.tp:
             raise ConfigError("mesh.tp", f"{ctx.tp} does not divide model.ffn_dim={d.ffn_dim}")
-        return []
 
     # --- model.init_from: a Llama-layout HF directory (hf/config.py, hf/load.py) -----------------
 
