@@ -135,9 +135,9 @@ def apply_model_parallel(model, cfg, rt: Runtime) -> None:
     models/te_parallel.py), then activation checkpointing."""
     tp, cp = rt.dims.tp, rt.dims.cp
     if family(cfg.model.name).te_tp and (tp > 1 or cp > 1):
-        from .models import te_parallel
+        from .models.te_modules import wire_parallel
 
-        te_parallel.wire(model, rt.mesh, tp, cp)
+        wire_parallel(model, rt.mesh, tp, cp)
     elif tp > 1:
         from .models.parallelize import parallelize
 

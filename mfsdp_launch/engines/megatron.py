@@ -102,7 +102,7 @@ class MegatronFSDPEngine(Engine):
                               f"FSDP unit ({', '.join(c.__name__ for c in units) or 'none given'}); "
                               "ZeRO-3 needs at least one", "class names of the model's blocks")
         _cast_model(model, torch_dtype(plan.compute_dtype))
-        from ..models.te_parallel import tp_group_of
+        from ..models.te_modules import tp_group_of
 
         self._te_tp_group = tp_group_of(model)
         policy = mfsdp.MixedPrecisionPolicy(

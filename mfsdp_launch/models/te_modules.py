@@ -141,7 +141,7 @@ class TEGPT(nn.Module):
         te = te_module()
         self.dims = dims
         # tp > 1: Megatron-style TP with sequence parallelism inside TE's layers (models/te_parallel.py),
-        # seq-first because TE's sequence parallelism splits dim 0; the group arrives with te_parallel.wire.
+        # seq-first because TE's sequence parallelism splits dim 0; the group arrives with wire_parallel.
         self.tp, self.tp_group = tp, None
         parallel = dict(set_parallel_mode=True, tp_size=tp, sequence_parallel=True) if tp > 1 else {}
         dtype = params_dtype or torch.get_default_dtype()
@@ -192,7 +192,7 @@ class TEGPT(nn.Module):
             )
         # TE modules initialized themselves from init_method/output_layer_init_method above, from the
         # global RNG in their own order, which depends on tp. Redraw tp-invariantly: here at tp=1,
-        # in te_parallel.wire (which knows the tp rank) under tp.
+        # in wire_parallel (which knows the tp rank) under tp.
         if tp == 1 and device != "meta":
             self.init_weights_tp_invariant(0)
 
@@ -222,6 +222,45 @@ class TEGPT(nn.Module):
         generator = torch.Generator(device=next(self.parameters()).device).manual_seed(torch.initial_seed())
         init_te_model(self, std=INIT_STD, out_std=INIT_STD / math.sqrt(2 * self.dims.n_layers),
                       generator=generator, tp_rank=tp_rank, tp=self.tp)
+
+
+def wire_parallel(model, mesh, tp: int, cp: int) -> None:
+    """Give a built TEGPT its process groups: tp (sequence-parallel collectives) and cp (attention)."""
+    import torch.distributed as dist
+
+    from .family import find_module
+
+    gpt = find_module(model, TEGPT)
+    if tp > 1:
+        group = mesh["tp"].get_group()
+        if gpt.tp != tp:
+            raise ValueError(f"te_gpt was built for tp={gpt.tp}, the mesh has tp={tp}")
+        gpt.tp_group = group
+        for layer in gpt.layers:
+            layer.set_tensor_parallel_group(group)
+        if gpt.lm_head is not None:
+            # TE tags every Linear weight tensor_model_parallel (partition_dim 0), parallel_mode or
+            # not; Megatron-FSDP would then take the replicated head for a tp shard of a tp-times
+            # larger tensor.
+            for p in gpt.lm_head.parameters():
+                p.tensor_model_parallel = False
+        if not next(gpt.parameters()).is_meta:  # meta init draws after sharding (spec.init_weights)
+            gpt.init_weights_tp_invariant(dist.get_rank(group))
+    if cp > 1:
+        group = mesh["cp"].get_group()
+        ranks = dist.get_process_group_ranks(group)
+        stream = torch.cuda.Stream()  # TE overlaps the ring's KV exchange with attention on it
+        for layer in gpt.layers:
+            layer.set_context_parallel_group(group, ranks, stream, "p2p")
+
+
+
+def tp_group_of(model) -> Optional[object]:
+    """The tp group `wire_parallel` gave a TEGPT inside `model`, or None."""
+    for module in model.modules():
+        if isinstance(module, TEGPT):
+            return module.tp_group
+    return None
 
 
 @torch.no_grad()

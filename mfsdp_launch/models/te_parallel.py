@@ -5,13 +5,13 @@ the way Megatron-Bridge pairs TP with Megatron-FSDP (no DTensor TP: TE shards it
   and `sequence_parallel=True` (models/te_modules.py), seq-first (`sbhd`: TE's sequence parallelism
   splits dim 0). Its parameters are the local shards, tagged by TE with `tensor_model_parallel` and
   `partition_dim`, which Megatron-FSDP turns into DTensors of the full (tp=1) shape over its tp
-  mesh dim. `wire` hands the layers the mesh's tp group after the build. Between layers the
+  mesh dim. `te_modules.wire_parallel` hands the layers the mesh's tp group after the build. Between layers the
   residual stream is sharded over the sequence; `scatter_seq` / `gather_seq` enter and leave that
   region around the replicated embedding, final norm and head.
 * The norm weights inside the layers see only their rank's tokens under sequence parallelism: their
   gradients are partial sums over tp (TE tags them `sequence_parallel`); `sync_sequence_parallel_grads`
   sums them before the optimizer, as Megatron's finalize_model_grads does.
-* Context parallelism: `wire` gives each layer the cp group, its global ranks, a side stream and
+* Context parallelism: `wire_parallel` gives each layer the cp group, its global ranks, a side stream and
   the "p2p" ring; batches arrive sharded with models/cp_layout.py's load-balanced layout, which is
   the one TE's attention and fused RoPE (cp_size/cp_rank offsets) expect.
 * `tp_slice` maps a full (tp=1) weight onto this rank's shard, so weights drawn at the full shape
@@ -20,7 +20,7 @@ the way Megatron-Bridge pairs TP with Megatron-FSDP (no DTensor TP: TE shards it
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -92,35 +92,6 @@ def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherSeq.apply(x, group)
 
 
-def wire(model, mesh, tp: int, cp: int) -> None:
-    """Give a built TEGPT its process groups: tp (sequence-parallel collectives) and cp (attention)."""
-    from .family import find_module
-    from .te_modules import TEGPT
-
-    gpt = find_module(model, TEGPT)
-    if tp > 1:
-        group = mesh["tp"].get_group()
-        if gpt.tp != tp:
-            raise ValueError(f"te_gpt was built for tp={gpt.tp}, the mesh has tp={tp}")
-        gpt.tp_group = group
-        for layer in gpt.layers:
-            layer.set_tensor_parallel_group(group)
-        if gpt.lm_head is not None:
-            # TE tags every Linear weight tensor_model_parallel (partition_dim 0), parallel_mode or
-            # not; Megatron-FSDP would then take the replicated head for a tp shard of a tp-times
-            # larger tensor.
-            for p in gpt.lm_head.parameters():
-                p.tensor_model_parallel = False
-        if not next(gpt.parameters()).is_meta:  # meta init draws after sharding (spec.init_weights)
-            gpt.init_weights_tp_invariant(dist.get_rank(group))
-    if cp > 1:
-        group = mesh["cp"].get_group()
-        ranks = dist.get_process_group_ranks(group)
-        stream = torch.cuda.Stream()  # TE overlaps the ring's KV exchange with attention on it
-        for layer in gpt.layers:
-            layer.set_context_parallel_group(group, ranks, stream, "p2p")
-
-
 def sync_sequence_parallel_grads(params: Iterable, tp_group, grad_attr: str = "grad") -> None:
     """Sum over tp the gradients of the parameters TE tags `sequence_parallel` (norm weights that
     saw 1/tp of the tokens). Under Megatron-FSDP these are shards of the reduced main gradients,
@@ -140,13 +111,3 @@ def sync_sequence_parallel_grads(params: Iterable, tp_group, grad_attr: str = "g
     for g in grads:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-def tp_group_of(model) -> Optional[object]:
-    """The tp group `wire` gave a TEGPT inside `model`, or None."""
-    from .te_modules import TEGPT
-
-    for module in model.modules():
-        if isinstance(module, TEGPT):
-            return module.tp_group
-    return None
