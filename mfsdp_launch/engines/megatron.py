@@ -249,8 +249,9 @@ class MegatronFSDPEngine(Engine):
     def _checkpoint_format(self) -> str:
         return self.plan.checkpoint_format if self.plan is not None else "dtensor"
 
-    def state_dict(self, model, optimizer) -> Dict[str, Any]:
-        """{"model", "optimizer", ["te_extra_state"]} for DCP. Collective: every rank, same order."""
+    def state_dict(self, model, optimizer, *, glu_tp1_chunks: bool = True) -> Dict[str, Any]:
+        """{"model", "optimizer", ["te_extra_state"]} for DCP. Collective: every rank, same order.
+        `glu_tp1_chunks=False` keeps Megatron-FSDP's one chunk per rank (for gathering, not DCP)."""
         m = unwrap(model)
         msd = {k: v for k, v in m.state_dict().items() if not k.endswith("_extra_state")}
         replicated = self._checkpoint_format() == "replicated"
@@ -263,6 +264,14 @@ class MegatronFSDPEngine(Engine):
                 osd = dict(osd)
                 osd["state"] = {i: {k: _to_plain(v) for k, v in s.items()} for i, s in osd["state"].items()}
             out["optimizer"] = osd
+        if self._te_tp_group is not None and not replicated and glu_tp1_chunks:
+            from .glu_layout import canonicalize_state
+
+            # TE's fused SwiGLU fc1 is saved in the tp=1 row order, so DCP reshards it across tp.
+            names = {}
+            for name, p in m.named_parameters():
+                names[id(p)] = names[id(getattr(p, "orig_param", p))] = name
+            canonicalize_state(msd, optimizer, names, out.get("optimizer"), self.dims.tp)
         te_state = te_extra_state(getattr(m, "module", m))
         if te_state:
             out[TE_EXTRA_STATE] = te_state
@@ -300,13 +309,16 @@ class MegatronFSDPEngine(Engine):
         from torch.distributed.tensor import DTensor
 
         from .base import strip_prefixes
+        from .glu_layout import GLU_SUFFIXES, glu_to_tp1
 
-        sd = self.state_dict(model, None)["model"]
+        sd = self.state_dict(model, None, glu_tp1_chunks=False)["model"]
         out = {}
         for k in sorted(sd):
             v = sd[k]
             if isinstance(v, DTensor):
                 v = full_tensor(v)
+                if self._te_tp_group is not None and k.endswith(GLU_SUFFIXES):
+                    v = glu_to_tp1(v, self.dims.tp)  # tp-concatenated [gate_r | up_r] -> [gate | up]
             if isinstance(v, torch.Tensor):
                 out[strip_prefixes(k)] = v.detach().cpu()
         return out

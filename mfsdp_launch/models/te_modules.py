@@ -127,6 +127,26 @@ def rope_transformer_layer_class():
     return RopeTransformerLayer
 
 
+@functools.lru_cache(maxsize=None)
+def replicated_linear_class():
+    """te.pytorch.Linear whose weights are not tagged tensor-parallel.
+
+    TE tags every Linear weight `tensor_model_parallel` (partition_dim 0) in reset_parameters,
+    with or without a parallel_mode. Under tp > 1 Megatron-FSDP would then take the head, which
+    every tp rank holds whole, for a tp shard of a tp-times larger tensor. Megatron-FSDP's
+    meta-device init calls reset_parameters again, hence the override rather than a one-off.
+    """
+    te = te_module()
+
+    class ReplicatedLinear(te.Linear):
+        def reset_parameters(self, defer_init=False):
+            super().reset_parameters(defer_init=defer_init)
+            for param in self.parameters():
+                param.tensor_model_parallel = False
+
+    return ReplicatedLinear
+
+
 class TEGPT(nn.Module):
     """The `gpt` architecture on TE modules: input_ids [B, T] -> logits [B, T, vocab].
 
@@ -186,7 +206,7 @@ class TEGPT(nn.Module):
         self.norm = RMSNorm(dims.dim, dims.norm_eps, dtype=dtype, device=device)
         self.lm_head = None
         if not dims.tie_embeddings:
-            self.lm_head = te.Linear(
+            self.lm_head = replicated_linear_class()(
                 dims.dim, dims.vocab_size, bias=False, init_method=init,
                 params_dtype=dtype, device=device,
             )
@@ -238,12 +258,6 @@ def wire_parallel(model, mesh, tp: int, cp: int) -> None:
         gpt.tp_group = group
         for layer in gpt.layers:
             layer.set_tensor_parallel_group(group)
-        if gpt.lm_head is not None:
-            # TE tags every Linear weight tensor_model_parallel (partition_dim 0), parallel_mode or
-            # not; Megatron-FSDP would then take the replicated head for a tp shard of a tp-times
-            # larger tensor.
-            for p in gpt.lm_head.parameters():
-                p.tensor_model_parallel = False
         if not next(gpt.parameters()).is_meta:  # meta init draws after sharding (spec.init_weights)
             gpt.init_weights_tp_invariant(dist.get_rank(group))
     if cp > 1:
