@@ -14,10 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-
-if __name__ != "__main__":
-    import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FFN, DIM, TP, DP = 6, 2, 2, 2
