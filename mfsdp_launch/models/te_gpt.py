@@ -26,6 +26,11 @@ class TEGPTFamily(GPTFamily):
         if ctx.tp > 1 and ctx.engine and ctx.engine != "megatron_fsdp":
             raise ConfigError("mesh.tp", f"model={self.name} is tensor-parallel inside its TE layers, whose "
                               f"shards engine={ctx.engine} cannot checkpoint as whole tensors", "1, or engine=megatron_fsdp")
+        if ctx.tp > 1 and m.init_from:
+            # hf/load.py slices a rank's rows out of the tp=1 tensor by its DTensor offsets; TE's
+            # fused SwiGLU fc1 shard [gate_r | up_r] is not such a block (engines/glu_layout.py).
+            raise ConfigError("model.init_from", f"is not wired for model={self.name} with mesh.tp={ctx.tp}",
+                              "mesh.tp=1 (then resume at any tp from its checkpoint)")
         if ctx.tp > 1 and (ctx.seq_len // ctx.cp) % ctx.tp:
             # Sequence parallelism splits each cp rank's seq_len/cp tokens over tp.
             raise ConfigError("train.seq_len", f"{ctx.seq_len} is not divisible by mesh.cp*mesh.tp="
