@@ -38,6 +38,10 @@ class GPTFamily(ModelFamily):
                               f"model={self.name} (model.n_kv_heads)", "a divisor of model.n_kv_heads")
         if ctx.tp > 1 and d.ffn_dim % ctx.tp:
             raise ConfigError("mesh.tp", f"{ctx.tp} does not divide model.ffn_dim={d.ffn_dim}")
+        if ctx.tp > 1 and ctx.seq_len % (ctx.cp * ctx.tp):
+            # Sequence parallelism splits each cp rank's seq_len/cp tokens over tp.
+            raise ConfigError("train.seq_len", f"{ctx.seq_len} is not divisible by mesh.cp*mesh.tp="
+                              f"{ctx.cp * ctx.tp} (sequence parallelism)", f"a multiple of {ctx.cp * ctx.tp}")
 
     # --- model.init_from: a Llama-layout HF directory (hf/config.py, hf/load.py) -----------------
 

@@ -31,10 +31,6 @@ class TEGPTFamily(GPTFamily):
             # fused SwiGLU fc1 shard [gate_r | up_r] is not such a block (engines/glu_layout.py).
             raise ConfigError("model.init_from", f"is not wired for model={self.name} with mesh.tp={ctx.tp}",
                               "mesh.tp=1 (then resume at any tp from its checkpoint)")
-        if ctx.tp > 1 and (ctx.seq_len // ctx.cp) % ctx.tp:
-            # Sequence parallelism splits each cp rank's seq_len/cp tokens over tp.
-            raise ConfigError("train.seq_len", f"{ctx.seq_len} is not divisible by mesh.cp*mesh.tp="
-                              f"{ctx.cp * ctx.tp} (sequence parallelism)", f"a multiple of {ctx.cp * ctx.tp}")
         if ctx.fp8_recipe != "none":
             _check_fp8_shapes(d, ctx)
         return []
