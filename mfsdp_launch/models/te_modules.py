@@ -158,7 +158,7 @@ class TEGPT(nn.Module):
 
     def __init__(self, dims: GPTDims, params_dtype: Optional[torch.dtype] = None, tp: int = 1):
         super().__init__()
-        te = te_module()
+        te_module()  # a one-line error without TE, before any layer is built
         self.dims = dims
         # tp > 1: Megatron-style TP with sequence parallelism inside TE's layers (models/te_parallel.py),
         # seq-first because TE's sequence parallelism splits dim 0; the group arrives with wire_parallel.
