@@ -3,7 +3,8 @@
 #   source /tmp/devkit/env.sh; bash tests/gpu/device_run.sh PHASE [SECONDS]
 # Phases: smoke (optimizer/resume/no-mesh/frozen/dtype cases), core (the other non-TE GPU tests),
 # e2e_bench_gpt (CLI runs + the 1.4B GPT benchmark), te (TE GPU tests + the TE model tests),
-# te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles).
+# te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles),
+# te_parallel (te_gpt tp=2/cp=2 vs 1, tp reshard, TE activation checkpointing; after `setup.sh te`).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
 #
@@ -44,6 +45,8 @@ case "$phase" in
     timeout "$left" python3 scripts/bench.py ${BENCH:---group gpt} 2>&1 | tee -a "$log" ;;
   te)
     timeout "$budget" $PYTEST tests/test_models.py tests/gpu/test_te_megatron_fsdp.py 2>&1 | tee -a "$log" ;;
+  te_parallel)
+    timeout "$budget" $PYTEST tests/gpu/test_te_parallel_gpu.py -s 2>&1 | tee -a "$log" ;;
   te_e2e_bench)
     timeout 400 $PYTEST tests/gpu/test_e2e.py -k test_te_ -s 2>&1 | tee -a "$log"; reap
     left=$(( budget - ($(date +%s) - start) ))
