@@ -98,9 +98,10 @@ class Training:
         return precision.fp8_autocast(self.fp8_recipe)
 
 
-def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_recipe=None):
-    """(spec, model, frozen names, fp8-skipped names): built on `device` (or meta), unsharded."""
-    spec = build_model_spec(model_cfg, seq_len)
+def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_recipe=None, tp: int = 1):
+    """(spec, model, frozen names, fp8-skipped names): built on `device` (or meta), unsharded.
+    `tp` reaches families whose layers are built tensor-parallel (te_gpt)."""
+    spec = build_model_spec(model_cfg, seq_len, tp=tp)
     init_device = torch.device("meta") if model_cfg.init_on_meta else device
     with torch.device(init_device), precision.quantized_init(fp8_recipe if fp8_cfg.params else None):
         model = spec.build()
@@ -120,7 +121,8 @@ def build_training(cfg, rt: Runtime) -> Training:
         precision.check_fp8_hardware(cfg.fp8)
     fp8_recipe = precision.build_fp8_recipe(cfg.fp8)
     seed_all(cfg.train.seed)  # the same on every rank: nothing is broadcast at wrap time
-    spec, model, frozen, kept = build_model(cfg.model, cfg.fp8, cfg.train.seq_len, rt.device, fp8_recipe)
+    spec, model, frozen, kept = build_model(cfg.model, cfg.fp8, cfg.train.seq_len, rt.device, fp8_recipe,
+                                            tp=rt.dims.tp)
     engine = build_engine(cfg, rt)
     # Tensor parallelism, then activation checkpointing, on the built model; the engine shards last.
     apply_model_parallel(model, cfg, rt)
@@ -138,13 +140,20 @@ def build_training(cfg, rt: Runtime) -> Training:
 
 
 def apply_model_parallel(model, cfg, rt: Runtime) -> None:
-    """TP (models/parallelize.py) over the mesh's tp dim, context parallelism
-    (models/context_parallel.py) over its cp dim, then activation checkpointing."""
-    if rt.dims.tp > 1:
+    """TP over the mesh's tp dim (models/parallelize.py), context parallelism over its cp dim
+    (models/context_parallel.py); TE layers get their tp/cp groups instead (models/te_parallel.py).
+    Then activation checkpointing."""
+    tp, cp = rt.dims.tp, rt.dims.cp
+    te_layers = family(cfg.model.name).te_tp
+    if te_layers and (tp > 1 or cp > 1):
+        from .models.te_modules import wire_parallel
+
+        wire_parallel(model, rt.mesh, tp, cp)
+    elif tp > 1:
         from .models.parallelize import parallelize
 
         parallelize(model, cfg.model.name, rt.mesh["tp"])
-    if splits_sequence(cfg, rt):
+    if splits_sequence(cfg, rt) and not te_layers:
         from .models.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, cfg.model.name, rt.mesh["cp"])

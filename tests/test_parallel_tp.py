@@ -1,11 +1,19 @@
-"""Tensor parallelism for `gpt` under FSDP2 on gloo (models/parallelize.py): the tp=2 loss curve
-equals tp=1's, and DCP checkpoints reshard between tp=2 and tp=1 in both directions."""
+"""Tensor + sequence parallelism for `gpt` under FSDP2 on gloo (models/parallelize.py): the tp=2
+loss curve equals tp=1's, DCP checkpoints reshard between tp=2 and tp=1 in both directions, and
+inside a tp=2 model the blocks hold T/2 tokens while logits and every gradient equal the plain
+model's (two gloo processes running this file as a script)."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import cli
+if __name__ != "__main__":
+    from conftest import cli
 
 # decay_steps pins the LR schedule, so a 10-step run followed by a resume to 20 equals one 20-step run.
 BASE = ["engine=fsdp2", "model=gpt", "model.preset=tiny", "data=synthetic", "train.seq_len=32",
@@ -57,3 +65,55 @@ def test_checkpoint_reshards_tp2_to_tp1_and_back(tmp_path, reference):
         out = run(tmp_path / "run", *overrides, steps=steps, save=True)
         assert "resum" in (out.stdout + out.stderr).lower()
     assert_same_curve(reference, metrics(tmp_path / "run"), range(1, 21))
+
+
+def _sp_child(rank: int, port: int) -> None:
+    """tp=2 over two gloo ranks vs the plain model from the same seed, same batch (doc mask too)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mfsdp_launch.models.gpt_modules import GPT
+    from mfsdp_launch.models.llama_dims import GPTDims
+    from mfsdp_launch.models.parallelize import parallelize_gpt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    dims = GPTDims(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, norm_eps=1e-5,
+                   rope_theta=10000.0, tie_embeddings=False)
+    ref, model = GPT(dims), GPT(dims)
+    model.load_state_dict(ref.state_dict())
+    parallelize_gpt(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+    ids = torch.randint(0, 64, (2, 16))
+    doc_ids = torch.cat([torch.zeros(2, 5), torch.ones(2, 11)], dim=1).long()
+    for kwargs in ({}, {"doc_ids": doc_ids}):
+        ref.zero_grad(), model.zero_grad()
+        out, want = model(ids, **kwargs), ref(ids, **kwargs)
+        assert torch.allclose(out, want, atol=1e-5), (out - want).abs().max()
+        out.square().mean().backward()
+        want.square().mean().backward()
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        for name, p in model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            assert torch.allclose(g, grads[name], atol=1e-6, rtol=1e-4), (name, (g - grads[name]).abs().max())
+    assert seen[0] == (2, 8, 32), seen  # the residual stream holds T/tp tokens
+    dist.destroy_process_group()
+
+
+def test_sequence_parallel_matches_the_plain_model():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=env, cwd=str(root)) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)[-4000:]
+
+
+if __name__ == "__main__":
+    _sp_child(int(sys.argv[1]), int(sys.argv[2]))

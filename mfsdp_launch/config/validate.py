@@ -170,14 +170,16 @@ def _check_memory(cfg, dims: ParallelDims) -> List[str]:
 
 def _check_tp(fam, caps: EngineCaps) -> None:
     """tp > 1: the engine's own TP mesh with a family that replicates over it (the seed's toys on
-    Megatron-FSDP), or DTensor TP parameters (models/parallelize.py) under an engine that shards them."""
+    Megatron-FSDP) or is tensor-parallel inside its TE layers (te_gpt), or DTensor TP parameters
+    (models/parallelize.py) under an engine that shards them."""
     dtensor_tp = fam.dtensor_tp
-    if (caps.model_parallel and fam.model_parallel) or (caps.dtensor_tp and dtensor_tp):
+    if (caps.model_parallel and (fam.model_parallel or fam.te_tp)) or (caps.dtensor_tp and dtensor_tp):
         return
     if dtensor_tp:
-        raise ConfigError("mesh.tp", f"engine={caps.name} with DTensor tensor-parallel parameters is untested "
-                          f"(GPU-only); model={fam.name} has tensor parallelism under engine=fsdp2",
-                          "1, or engine=fsdp2")
+        raise ConfigError("mesh.tp", f"engine={caps.name} with model={fam.name}'s DTensor tensor parallelism is "
+                          "not supported: Megatron-FSDP 0.6.1 takes DTensor parameters, but this plan "
+                          "redistributes its fused weights inside forward, never run on Megatron-FSDP's "
+                          "swapped-in parameters", "1, engine=fsdp2, or model=te_gpt (TE's own TP)")
     if not (caps.model_parallel or caps.dtensor_tp):
         raise ConfigError("mesh.tp", f"engine={caps.name} shards over the data-parallel dims only",
                           f"1 with engine={caps.name}, or engine=megatron_fsdp")
@@ -195,6 +197,10 @@ def _check_cp(cfg, fam, caps: EngineCaps) -> None:
     if not caps.context_parallel:
         raise ConfigError("mesh.cp", f"engine={caps.name} shards over the data-parallel dims only",
                           f"1 with engine={caps.name}, or engine=megatron_fsdp")
+    if fam.te_tp and not caps.model_parallel:
+        # TE's context-parallel attention is wired and tested under Megatron-FSDP only.
+        raise ConfigError("mesh.cp", f"model={fam.name} runs context parallelism under engine=megatron_fsdp only",
+                          "1, or engine=megatron_fsdp")
     if cfg.data.doc_mask:
         raise ConfigError("data.doc_mask", f"a document mask with mesh.cp={cfg.mesh.cp} is not supported",
                           "false, or mesh.cp=1")

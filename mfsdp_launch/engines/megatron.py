@@ -83,6 +83,7 @@ class MegatronFSDPEngine(Engine):
         super().__init__(**engine_args)
         self.plan: Optional[MegatronPlan] = None
         self._model = None
+        self._te_tp_group = None
 
     # ------------------------------------------------------------------------------ wrap
 
@@ -101,6 +102,9 @@ class MegatronFSDPEngine(Engine):
                               f"FSDP unit ({', '.join(c.__name__ for c in units) or 'none given'}); "
                               "ZeRO-3 needs at least one", "class names of the model's blocks")
         _cast_model(model, torch_dtype(plan.compute_dtype))
+        from ..models.te_modules import tp_group_of
+
+        self._te_tp_group = tp_group_of(model)
         policy = mfsdp.MixedPrecisionPolicy(
             main_params_dtype=torch_dtype(plan.main_params_dtype),
             main_grads_dtype=torch_dtype(plan.main_grads_dtype),
@@ -174,17 +178,37 @@ class MegatronFSDPEngine(Engine):
             return None
         return group
 
-    def _grads(self, model) -> List[torch.Tensor]:
-        attr = "decoupled_grad" if self.plan is not None and self.plan.use_decoupled_grad else "grad"
+    def _grad_attr(self) -> str:
+        return "decoupled_grad" if self.plan is not None and self.plan.use_decoupled_grad else "grad"
+
+    def _grads(self, model, tp_sharded: Optional[bool] = None) -> List[torch.Tensor]:
+        """Local gradient shards; `tp_sharded` picks TE's tensor-parallel shards (True) or the
+        parameters replicated over tp (False)."""
+        from ..models.te_parallel import is_tp_sharded
+
         out = []
         for p in unwrap(model).parameters():
-            g = getattr(p, attr, None)
-            if g is None:
+            g = getattr(p, self._grad_attr(), None)
+            if g is None or (tp_sharded is not None and is_tp_sharded(p) != tp_sharded):
                 continue
             g = local_tensor(g)
             if g.numel():
                 out.append(g)
         return out
+
+    def tp_group(self):
+        """The tp group of a model with TE tensor-parallel layers (models/te_parallel.py), else None
+        (the seed's toys replicate over tp)."""
+        return self._te_tp_group
+
+    def _square_norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            sq = sq + torch.stack(torch._foreach_norm(gs, 2.0, dtype=torch.float32)).pow(2).sum()
+        return sq
 
     def clip_grad_norm(self, model, max_norm: Optional[float]) -> torch.Tensor:
         """Global L2 norm over uneven shards (None where a shard is empty); scales to max_norm."""
@@ -192,20 +216,30 @@ class MegatronFSDPEngine(Engine):
         if not getattr(m, "model_auto_sync", True):
             raise RuntimeError("clip_grad_norm before the gradients were synchronized: call "
                                "set_grad_sync(model, True) before the last microbatch's backward")
-        grads = self._grads(m)
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for gs in by_dtype.values():
-            norms = torch._foreach_norm(gs, 2.0, dtype=torch.float32)
-            sq = sq + torch.stack(norms).pow(2).sum()
+        tp_group = self.tp_group()
+        if tp_group is None:
+            grads = self._grads(m)
+            sq = self._square_norm(grads)
+        else:
+            from ..models.te_parallel import sync_sequence_parallel_grads
+
+            # Norm weights under sequence parallelism saw 1/tp of the tokens: sum them first.
+            sync_sequence_parallel_grads(m.parameters(), tp_group, self._grad_attr())
+            # TP shards are disjoint over tp; replicated parameters are counted once (1/tp per rank).
+            grads = self._grads(m)
+            sq = self._square_norm(self._grads(m, tp_sharded=True)) + \
+                self._square_norm(self._grads(m, tp_sharded=False)) / self.dims.tp
         group = self.grad_norm_group()
         if group is not None:
             dist.all_reduce(sq, group=group)
+        if tp_group is not None:
+            dist.all_reduce(sq, group=tp_group)
         total = sq.sqrt()
         if max_norm is not None and grads:
             scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+            for g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
             for dtype, gs in by_dtype.items():
                 torch._foreach_mul_(gs, scale.to(dtype))
         return total
@@ -215,8 +249,9 @@ class MegatronFSDPEngine(Engine):
     def _checkpoint_format(self) -> str:
         return self.plan.checkpoint_format if self.plan is not None else "dtensor"
 
-    def state_dict(self, model, optimizer) -> Dict[str, Any]:
-        """{"model", "optimizer", ["te_extra_state"]} for DCP. Collective: every rank, same order."""
+    def state_dict(self, model, optimizer, *, glu_tp1_chunks: bool = True) -> Dict[str, Any]:
+        """{"model", "optimizer", ["te_extra_state"]} for DCP. Collective: every rank, same order.
+        `glu_tp1_chunks=False` keeps Megatron-FSDP's one chunk per rank (for gathering, not DCP)."""
         m = unwrap(model)
         msd = {k: v for k, v in m.state_dict().items() if not k.endswith("_extra_state")}
         replicated = self._checkpoint_format() == "replicated"
@@ -229,6 +264,14 @@ class MegatronFSDPEngine(Engine):
                 osd = dict(osd)
                 osd["state"] = {i: {k: _to_plain(v) for k, v in s.items()} for i, s in osd["state"].items()}
             out["optimizer"] = osd
+        if self._te_tp_group is not None and not replicated and glu_tp1_chunks:
+            from .glu_layout import canonicalize_state
+
+            # TE's fused SwiGLU fc1 is saved in the tp=1 row order, so DCP reshards it across tp.
+            names = {}
+            for name, p in m.named_parameters():
+                names[id(p)] = names[id(getattr(p, "orig_param", p))] = name
+            canonicalize_state(msd, optimizer, names, out.get("optimizer"), self.dims.tp)
         te_state = te_extra_state(getattr(m, "module", m))
         if te_state:
             out[TE_EXTRA_STATE] = te_state
@@ -266,13 +309,16 @@ class MegatronFSDPEngine(Engine):
         from torch.distributed.tensor import DTensor
 
         from .base import strip_prefixes
+        from .glu_layout import GLU_SUFFIXES, glu_to_tp1
 
-        sd = self.state_dict(model, None)["model"]
+        sd = self.state_dict(model, None, glu_tp1_chunks=False)["model"]
         out = {}
         for k in sorted(sd):
             v = sd[k]
             if isinstance(v, DTensor):
                 v = full_tensor(v)
+                if self._te_tp_group is not None and k.endswith(GLU_SUFFIXES):
+                    v = glu_to_tp1(v, self.dims.tp)  # tp-concatenated [gate_r | up_r] -> [gate | up]
             if isinstance(v, torch.Tensor):
                 out[strip_prefixes(k)] = v.detach().cpu()
         return out

@@ -23,11 +23,13 @@ def family(name: str) -> ModelFamily:
     return FAMILIES[name]
 
 
-def build_model_spec(model_cfg, seq_len: int) -> ModelSpec:
-    """The family's ModelSpec, with `model.fsdp_unit_modules` overriding its unit modules."""
+def build_model_spec(model_cfg, seq_len: int, tp: int = 1) -> ModelSpec:
+    """The family's ModelSpec, with `model.fsdp_unit_modules` overriding its unit modules. `tp`
+    reaches the families that build tensor-parallel layers (`te_tp`)."""
     from .family import resolve_unit_modules
 
-    spec = family(str(model_cfg.name)).spec(model_cfg, seq_len)
+    fam = family(str(model_cfg.name))
+    spec = fam.spec(model_cfg, seq_len, tp=tp) if fam.te_tp and tp > 1 else fam.spec(model_cfg, seq_len)
     if model_cfg.fsdp_unit_modules:
         spec.unit_modules = resolve_unit_modules(model_cfg.fsdp_unit_modules)
     return spec

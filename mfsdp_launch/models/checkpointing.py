@@ -10,8 +10,11 @@ Modes: `none`; `full` checkpoints every block (only block inputs stay alive); `s
 every `model.ac_every`-th block (blocks 0, N, 2N, ...), trading memory for less recompute.
 
 `gpt` blocks use `torch.utils.checkpoint` (non-reentrant). `te_gpt` TransformerLayers use Transformer
-Engine's own `te.distributed.checkpoint`, which keeps FP8 scaling state consistent across the
-recompute (written, not tested on a GPU yet).
+Engine's own `transformer_engine.pytorch.distributed.checkpoint(function, *args, use_reentrant=False,
+**kwargs)` (TE 2.x; its own options are keywords, popped before the forward's kwargs), which
+re-enters the forward's FP8 autocast and recipe in the recompute. The wrapped callable is the
+layer's bound `forward`, not an nn.Module, so TE takes its own path rather than falling back to
+torch's. tests/gpu/test_te_parallel_gpu.py compares `full` with `none` on a GPU.
 """
 
 from __future__ import annotations

@@ -70,8 +70,12 @@ class ModelFamily:
     measured = False
     activation_checkpointing = False  # has blocks that model.activation_checkpointing can wrap
     dtensor_tp = False  # tensor parallel through DTensor (models/parallelize.py)
-    # Splits each sequence over mesh.cp (models/context_parallel.py); batches are sharded per cp rank.
-    context_parallel = False
+    # Tensor parallel inside its Transformer Engine layers (models/te_parallel.py): `spec` takes the
+    # tp degree (TE builds local shards), the engine's tp mesh dim shards nothing more.
+    te_tp = False
+    # Splits each sequence over mesh.cp (batches per models/cp_layout.py; attention across ranks in
+    # models/context_parallel.py, or TE's own for te_tp families).
+    context_parallel: bool = False
     # Its loss passes a batch's "doc_ids" (data.doc_mask) on to a forward that masks attention per document.
     doc_mask = False
 

@@ -18,13 +18,13 @@ class GPTFamily(ModelFamily):
     @property
     def dtensor_tp(self) -> bool:
         """mesh.tp through DTensor (models/parallelize.py): the torch GPT only; te_gpt's TE layers
-        would need TE's own tp_group/sequence_parallel, not wired yet."""
+        take TE's own tp group instead (`te_tp`, models/te_parallel.py)."""
         return not self.has_te_layers
 
     @property
     def context_parallel(self) -> bool:
-        """mesh.cp through all-gather attention (models/context_parallel.py): the torch GPT only;
-        te_gpt needs TE's own context-parallel attention."""
+        """mesh.cp through all-gather attention (models/context_parallel.py) for the torch GPT;
+        te_gpt (te_gpt.py) sets it for TE's own context-parallel attention."""
         return not self.has_te_layers
 
     def dims(self, m) -> L.GPTDims:
@@ -33,13 +33,21 @@ class GPTFamily(ModelFamily):
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)  # every dimension rule, with the key that breaks it
         self.check_init_from(m)
-        # (tp dividing n_heads is validation's generic rule for every family with attention)
+        self.check_tp_dims(d, ctx)
+        return []
+
+    def check_tp_dims(self, d: L.GPTDims, ctx: ModelContext) -> None:
+        """What tp must divide (gpt's DTensor plan and te_gpt's TE layers alike). tp dividing
+        n_heads is validation's generic rule for every family with attention."""
         if ctx.tp > 1 and d.n_kv_heads % ctx.tp:
             raise ConfigError("mesh.tp", f"{ctx.tp} does not divide the {d.n_kv_heads} key/value heads of "
                               f"model={self.name} (model.n_kv_heads)", "a divisor of model.n_kv_heads")
         if ctx.tp > 1 and d.ffn_dim % ctx.tp:
             raise ConfigError("mesh.tp", f"{ctx.tp} does not divide model.ffn_dim={d.ffn_dim}")
-        return []
+        if ctx.tp > 1 and ctx.seq_len % (ctx.cp * ctx.tp):
+            # Sequence parallelism splits each cp rank's seq_len/cp tokens over tp.
+            raise ConfigError("train.seq_len", f"{ctx.seq_len} is not divisible by mesh.cp*mesh.tp="
+                              f"{ctx.cp * ctx.tp} (sequence parallelism)", f"a multiple of {ctx.cp * ctx.tp}")
 
     # --- model.init_from: a Llama-layout HF directory (hf/config.py, hf/load.py) -----------------
 

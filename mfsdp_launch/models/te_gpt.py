@@ -16,10 +16,21 @@ class TEGPTFamily(GPTFamily):
     name = "te_gpt"
     has_te_layers = True
     doc_mask = False  # TE's variable-length (THD) attention, which a document mask needs, is not wired yet
+    te_tp = True  # TE's tp_size/sequence_parallel at build, groups from models/te_parallel.wire
+    context_parallel = True  # TE's context-parallel attention (set_context_parallel_group, p2p ring)
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)
         self.check_init_from(m)
+        self.check_tp_dims(d, ctx)
+        if ctx.tp > 1 and ctx.engine and ctx.engine != "megatron_fsdp":
+            raise ConfigError("mesh.tp", f"model={self.name} is tensor-parallel inside its TE layers, whose "
+                              f"shards engine={ctx.engine} cannot checkpoint as whole tensors", "1, or engine=megatron_fsdp")
+        if ctx.tp > 1 and m.init_from:
+            # hf/load.py slices a rank's rows out of the tp=1 tensor by its DTensor offsets; TE's
+            # fused SwiGLU fc1 shard [gate_r | up_r] is not such a block (engines/glu_layout.py).
+            raise ConfigError("model.init_from", f"is not wired for model={self.name} with mesh.tp={ctx.tp}",
+                              "mesh.tp=1 (then resume at any tp from its checkpoint)")
         if ctx.fp8_recipe != "none":
             _check_fp8_shapes(d, ctx)
         return []
@@ -35,7 +46,7 @@ class TEGPTFamily(GPTFamily):
         head = 0 if d.tie_embeddings else d.vocab_size * d.dim
         return max(L.layer_params(d), d.vocab_size * d.dim + d.dim, head)
 
-    def spec(self, m, seq_len: int) -> ModelSpec:
+    def spec(self, m, seq_len: int, tp: int = 1) -> ModelSpec:
         from ..precision import torch_dtype
         from . import te_modules
 
@@ -43,7 +54,7 @@ class TEGPTFamily(GPTFamily):
         dims, dtype = self.dims(m), torch_dtype(m.params_dtype)
         # The head (te.Linear) is its own unit, as in the seed's TE test; te.Linear layers inside a
         # TransformerLayer belong to that layer's unit.
-        return self._spec(m, seq_len, build=lambda: te_modules.TEGPT(dims, params_dtype=dtype),
+        return self._spec(m, seq_len, build=lambda: te_modules.TEGPT(dims, params_dtype=dtype, tp=tp),
                           unit_modules=(te.TransformerLayer, te.Linear),
                           init_weights=lambda model: find_module(model, te_modules.TEGPT).init_weights())
 

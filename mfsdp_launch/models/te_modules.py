@@ -113,10 +113,38 @@ def rope_transformer_layer_class():
             if rope is None:
                 rope = te.RotaryPositionEmbedding(self.rope_dim, rotary_base=self.rope_theta)
                 self._rope["module"] = rope
-            freqs = rope(hidden_states.shape[1])  # [s, 1, 1, head_dim] fp32; input is bshd
-            return super().forward(hidden_states, rotary_pos_emb=freqs, **kwargs)
+            return super().forward(hidden_states, rotary_pos_emb=rope(self.rope_len(hidden_states)), **kwargs)
+
+        def rope_len(self, hidden_states: torch.Tensor) -> int:
+            """Positions the table covers: the whole sequence. Attention sees the tp-gathered
+            sequence (sequence parallelism), and TE's fused RoPE picks each cp rank's two
+            load-balanced chunks (cp_size/cp_rank offsets) out of the full-length table."""
+            seq = hidden_states.shape[0 if self.attn_input_format == "sbhd" else 1]
+            if self.sequence_parallel:
+                seq *= self.tp_size
+            return seq * getattr(self.self_attention, "cp_size", 1)
 
     return RopeTransformerLayer
+
+
+@functools.lru_cache(maxsize=None)
+def replicated_linear_class():
+    """te.pytorch.Linear whose weights are not tagged tensor-parallel.
+
+    TE tags every Linear weight `tensor_model_parallel` (partition_dim 0) in reset_parameters,
+    with or without a parallel_mode. Under tp > 1 Megatron-FSDP would then take the head, which
+    every tp rank holds whole, for a tp shard of a tp-times larger tensor. Megatron-FSDP's
+    meta-device init calls reset_parameters again, hence the override rather than a one-off.
+    """
+    te = te_module()
+
+    class ReplicatedLinear(te.Linear):
+        def reset_parameters(self, defer_init=False):
+            super().reset_parameters(defer_init=defer_init)
+            for param in self.parameters():
+                param.tensor_model_parallel = False
+
+    return ReplicatedLinear
 
 
 class TEGPT(nn.Module):
@@ -128,10 +156,14 @@ class TEGPT(nn.Module):
     RMSNorm (same parameter).
     """
 
-    def __init__(self, dims: GPTDims, params_dtype: Optional[torch.dtype] = None):
+    def __init__(self, dims: GPTDims, params_dtype: Optional[torch.dtype] = None, tp: int = 1):
         super().__init__()
-        te = te_module()
+        te_module()  # a one-line error without TE, before any layer is built
         self.dims = dims
+        # tp > 1: Megatron-style TP with sequence parallelism inside TE's layers (models/te_parallel.py),
+        # seq-first because TE's sequence parallelism splits dim 0; the group arrives with wire_parallel.
+        self.tp, self.tp_group = tp, None
+        parallel = dict(set_parallel_mode=True, tp_size=tp, sequence_parallel=True) if tp > 1 else {}
         dtype = params_dtype or torch.get_default_dtype()
         device = te_device()
         init = functools.partial(nn.init.normal_, mean=0.0, std=INIT_STD)
@@ -159,11 +191,12 @@ class TEGPT(nn.Module):
                 bias=False,
                 activation="swiglu",
                 normalization="RMSNorm",
-                attn_input_format="bshd",
+                attn_input_format="sbhd" if tp > 1 else "bshd",
                 params_dtype=dtype,
                 device=device,
                 rope_dim=dims.head_dim,
                 rope_theta=dims.rope_theta,
+                **parallel,
             )
             for i in range(dims.n_layers)
         )
@@ -173,25 +206,80 @@ class TEGPT(nn.Module):
         self.norm = RMSNorm(dims.dim, dims.norm_eps, dtype=dtype, device=device)
         self.lm_head = None
         if not dims.tie_embeddings:
-            self.lm_head = te.Linear(
+            self.lm_head = replicated_linear_class()(
                 dims.dim, dims.vocab_size, bias=False, init_method=init,
                 params_dtype=dtype, device=device,
             )
-        # TE modules initialized themselves from init_method/output_layer_init_method above.
+        # TE modules initialized themselves from init_method/output_layer_init_method above, from the
+        # global RNG in their own order, which depends on tp. Redraw tp-invariantly: here at tp=1,
+        # in wire_parallel (which knows the tp rank) under tp.
+        if tp == 1 and device != "meta":
+            self.init_weights_tp_invariant(0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        x = self.norm(x)
+        if self.tp > 1:
+            from .te_parallel import gather_seq, scatter_seq
+
+            # [B, T, H] -> [T, B, H], this tp rank's T/tp tokens; gathered back after the final norm.
+            x = scatter_seq(x.transpose(0, 1), self.tp_group)
+            for layer in self.layers:
+                x = layer(x)
+            x = gather_seq(self.norm(x), self.tp_group).transpose(0, 1)
+        else:
+            for layer in self.layers:
+                x = layer(x)
+            x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
 
     def init_weights(self) -> None:
         init_te_model(self, std=INIT_STD, out_std=INIT_STD / math.sqrt(2 * self.dims.n_layers))
 
+    def init_weights_tp_invariant(self, tp_rank: int) -> None:
+        """Every weight drawn at its full (tp=1) shape from one generator seeded alike on every
+        rank (seed_all), TE's tp shards sliced out: a tp=N model starts as the tp=1 one does
+        under this same draw. For unsharded (not yet wrapped) parameters."""
+        generator = torch.Generator(device=next(self.parameters()).device).manual_seed(torch.initial_seed())
+        init_te_model(self, std=INIT_STD, out_std=INIT_STD / math.sqrt(2 * self.dims.n_layers),
+                      generator=generator, tp_rank=tp_rank, tp=self.tp)
+
+
+def wire_parallel(model, mesh, tp: int, cp: int) -> None:
+    """Give a built TEGPT its process groups: tp (sequence-parallel collectives) and cp (attention)."""
+    import torch.distributed as dist
+
+    from .family import find_module
+
+    gpt = find_module(model, TEGPT)
+    if tp > 1:
+        group = mesh["tp"].get_group()
+        if gpt.tp != tp:
+            raise ValueError(f"te_gpt was built for tp={gpt.tp}, the mesh has tp={tp}")
+        gpt.tp_group = group
+        for layer in gpt.layers:
+            layer.set_tensor_parallel_group(group)
+        if not next(gpt.parameters()).is_meta:  # meta init draws after sharding (spec.init_weights)
+            gpt.init_weights_tp_invariant(dist.get_rank(group))
+    if cp > 1:
+        group = mesh["cp"].get_group()
+        ranks = dist.get_process_group_ranks(group)
+        stream = torch.cuda.Stream()  # TE overlaps the ring's KV exchange with attention on it
+        for layer in gpt.layers:
+            layer.set_context_parallel_group(group, ranks, stream, "p2p")
+
+
+
+def tp_group_of(model) -> Optional[object]:
+    """The tp group `wire_parallel` gave a TEGPT inside `model`, or None."""
+    for module in model.modules():
+        if isinstance(module, TEGPT):
+            return module.tp_group
+    return None
+
 
 @torch.no_grad()
-def init_te_model(model: nn.Module, std: float, out_std: float) -> None:
+def init_te_model(model: nn.Module, std: float, out_std: float, generator: Optional[torch.Generator] = None,
+                  tp_rank: int = 0, tp: int = 1) -> None:
     """Re-initialize a TE model's parameters in place, module by module in a fixed order.
 
     1-D tensors: biases zeros, norm gains ones. Matrices: N(0, out_std) for the residual output
@@ -200,6 +288,9 @@ def init_te_model(model: nn.Module, std: float, out_std: float) -> None:
     QuantizedTensor, from quantized_model_init) cannot be written in place; their module's own
     `reset_parameters()` re-quantizes them from its init_method. That replaces the Parameter
     objects, so call this before the optimizer is built.
+
+    With a `generator` (te_gpt under tp), TE's tensor-parallel shards are drawn at their full
+    (tp=1) shape and sliced (models/te_parallel.tp_slice): the values do not depend on tp.
     """
     te = te_module()
     for module_name, module in model.named_modules():
@@ -210,9 +301,25 @@ def init_te_model(model: nn.Module, std: float, out_std: float) -> None:
                 quantized = True
             elif param.ndim == 1:
                 (nn.init.zeros_ if "bias" in name else nn.init.ones_)(param)
-            elif name == "fc2_weight" or (module_name.endswith("proj") and name == "weight"):
-                nn.init.normal_(param, mean=0.0, std=out_std)
             else:
-                nn.init.normal_(param, mean=0.0, std=std)
+                out = name == "fc2_weight" or (module_name.endswith("proj") and name == "weight")
+                _normal(param, name, out_std if out else std, generator, tp_rank, tp)
         if quantized:
             module.reset_parameters()
+
+
+def _normal(param: torch.Tensor, name: str, std: float, generator: Optional[torch.Generator], tp_rank: int,
+            tp: int) -> None:
+    if generator is None:
+        nn.init.normal_(param, mean=0.0, std=std)
+        return
+    from .te_parallel import is_tp_sharded, tp_slice
+
+    if tp == 1 or not is_tp_sharded(param):
+        param.normal_(mean=0.0, std=std, generator=generator)
+        return
+    dim = param.partition_dim
+    shape = list(param.shape)
+    shape[dim] *= tp
+    full = torch.empty(shape, dtype=param.dtype, device=param.device).normal_(mean=0.0, std=std, generator=generator)
+    param.copy_(tp_slice(full, name, dim, tp_rank, tp))

@@ -4,7 +4,8 @@
 # Phases: smoke (optimizer/resume/no-mesh/frozen/dtype cases), core (the other non-TE GPU tests),
 # tests (the files in $TESTS), bench (scripts/bench.py $BENCH),
 # e2e_bench_gpt (CLI runs + the 1.4B GPT benchmark), te (TE GPU tests + the TE model tests),
-# te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles).
+# te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles),
+# te_parallel (te_gpt tp=2/cp=2 vs 1, tp reshard, TE activation checkpointing; after `setup.sh te`).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
 #
@@ -49,6 +50,8 @@ case "$phase" in
     timeout -k 10 "$budget" $PYTEST ${TESTS:?TESTS} 2>&1 | tee -a "$log" ;;
   bench)  # BENCH: bench.py arguments, e.g. BENCH="--group ac_peak --group ac8b"
     timeout -k 10 "$budget" python3 scripts/bench.py ${BENCH:?BENCH} 2>&1 | tee -a "$log" ;;
+  te_parallel)
+    timeout "$budget" $PYTEST tests/gpu/test_te_parallel_gpu.py -s 2>&1 | tee -a "$log" ;;
   te_e2e_bench)
     timeout 400 $PYTEST tests/gpu/test_e2e.py -k test_te_ -s 2>&1 | tee -a "$log"; reap
     left=$(( budget - ($(date +%s) - start) ))
