@@ -120,7 +120,7 @@ REFUSALS = [
     (["model.dim=65"], "model.dim"),
     (["model.n_kv_heads=3"], "model.n_kv_heads"),  # "3 does not divide n_heads=4"
     (["model=gpt", "engine=megatron_fsdp", "mesh.tp=2", "launcher.nproc_per_node=2"], "mesh.tp"),
-    (["model=te_gpt", "engine=megatron_fsdp", "mesh.cp=2", "launcher.nproc_per_node=2"], "mesh.cp"),
+    (["model=te_gpt", "engine=fsdp2", "mesh.cp=2", "launcher.nproc_per_node=2"], "mesh.cp"),
     (["model=toy_transformer", "data=text"], "data"),
     (["model=toy_transformer", "model.n_heads=1", "engine=megatron_fsdp", "mesh.tp=2",
       "launcher.nproc_per_node=2"], "mesh.tp"),

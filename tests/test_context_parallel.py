@@ -88,7 +88,7 @@ def test_gpt_cp2_tp2_is_accepted():
 
 
 @pytest.mark.parametrize("overrides,key,words", [
-    (["model=te_gpt", "engine=megatron_fsdp"], "mesh.cp", "no context parallelism"),
+    (["model=te_gpt", "engine=fsdp2"], "mesh.cp", "engine=megatron_fsdp only"),
     (["model=gpt", "data=tokens", "data.doc_mask=true", "data.sources=[{path: x, weight: 1}]"], "data.doc_mask",
      "mesh.cp=2"),
     (["model=gpt", "train.seq_len=66"], "train.seq_len", "2*mesh.cp=4"),

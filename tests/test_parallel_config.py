@@ -27,7 +27,7 @@ def test_gpt_tp2_under_fsdp2_is_accepted():
     (["model=gpt", "engine=megatron_fsdp"], "mesh.tp", "redistributes its fused weights"),
     (["model=te_gpt"], "mesh.tp", "inside its TE layers"),
     (["model=toy_cnn"], "mesh.tp", "no tensor parallelism"),
-    (["model=te_gpt", "mesh.tp=1", "mesh.cp=2"], "mesh.cp", "no context parallelism"),
+    (["model=te_gpt", "mesh.tp=1", "mesh.cp=2"], "mesh.cp", "engine=megatron_fsdp only"),
     (["model=gpt", "model.activation_checkpointing=selective", "model.ac_every=0"], "model.ac_every", ">= 1"),
 ])
 def test_refusals(overrides, key, words):

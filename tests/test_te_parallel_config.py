@@ -24,7 +24,7 @@ def refused(*overrides) -> ConfigError:
 
 def test_capability_flags():
     assert FAMILIES["te_gpt"].te_tp and FAMILIES["te_gpt"].context_parallel
-    assert not FAMILIES["gpt"].te_tp and not FAMILIES["gpt"].context_parallel  # gpt's CP: branch cp
+    assert not FAMILIES["gpt"].te_tp and FAMILIES["gpt"].context_parallel  # all-gather attention, not TE
 
 
 @pytest.mark.parametrize("mesh", [["mesh.tp=2"], ["mesh.cp=2"], ["mesh.tp=2", "mesh.cp=2"]])
@@ -41,7 +41,7 @@ def test_te_gpt_tp_and_cp_under_megatron_fsdp_are_accepted(mesh):
     (["mesh.tp=4", "model.n_heads=2", "model.dim=64", "launcher.nproc_per_node=4"], "mesh.tp", "attention heads"),
     # TE's tensor-parallel shards are not whole tensors for FSDP2's checkpoints
     (["mesh.tp=2", "engine=fsdp2"], "mesh.tp", "inside its TE layers"),
-    (["mesh.cp=2", "engine=fsdp2"], "mesh.cp", "data-parallel"),
+    (["mesh.cp=2", "engine=fsdp2"], "mesh.cp", "engine=megatron_fsdp only"),
     # cp: two load-balanced chunks per rank; then sequence parallelism splits seq_len/cp over tp
     (["mesh.cp=2", "train.seq_len=66"], "train.seq_len", "2*mesh.cp=4"),
     (["mesh.cp=2", "mesh.tp=4", "train.seq_len=36", "launcher.nproc_per_node=8"], "train.seq_len",
