@@ -181,8 +181,10 @@ def _child(rank: int, world: int, port: int, hf_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from mfsdp_launch.worker import leave
+
     _child(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-    sys.exit(0)
+    leave(0)  # no interpreter teardown: gloo's threads have aborted a finished process there
 
 
 # ================================================================================ parent side

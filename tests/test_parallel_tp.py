@@ -116,4 +116,7 @@ def test_sequence_parallel_matches_the_plain_model():
 
 
 if __name__ == "__main__":
+    from mfsdp_launch.worker import leave
+
     _sp_child(int(sys.argv[1]), int(sys.argv[2]))
+    leave(0)  # no interpreter teardown: gloo's threads have aborted a finished process there

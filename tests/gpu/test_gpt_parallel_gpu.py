@@ -13,7 +13,7 @@ from test_e2e import cli, fresh_run_dir, rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-BASE = ["model=gpt", "model.preset=125m", "model.n_kv_heads=4", "data=synthetic", "train.seq_len=1024",
+BASE = ["model=gpt", "model.preset=125m", "model.n_kv_heads=4", "data=text", "data.max_bytes=4000000", "train.seq_len=1024",
         "train.micro_batch_size=4", "train.log_interval=1", "train.progress=false", "optim.warmup_steps=0",
         "optim.lr=1e-3", "optim.decay_steps=20", "checkpoint.save_final=false", "engine.backend=nccl"]
 BF16 = ["precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "precision.main_grads_dtype=fp32"]
