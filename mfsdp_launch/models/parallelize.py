@@ -54,15 +54,15 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-def _gather(x: torch.Tensor, group) -> torch.Tensor:
+def _gather(x: torch.Tensor, group, dim: int = SEQ) -> torch.Tensor:
     """All-gather along the sequence dim."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=SEQ)
+    return torch.cat(parts, dim=dim)
 
 
-def _split(x: torch.Tensor, group) -> torch.Tensor:
-    return x.chunk(dist.get_world_size(group), dim=SEQ)[dist.get_rank(group)].contiguous()
+def _split(x: torch.Tensor, group, dim: int = SEQ) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
@@ -81,13 +81,13 @@ class _Scatter(torch.autograd.Function):
     """Replicated -> sequence-sharded: split forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
+        return _gather(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherToReplicated(torch.autograd.Function):
@@ -95,13 +95,23 @@ class _GatherToReplicated(torch.autograd.Function):
     forward, this rank's block of the (identical) gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, ctx.group), None
+        return _split(grad, ctx.group, ctx.dim), None, None
+
+
+def scatter_sequence(x: torch.Tensor, group, dim: int = SEQ) -> torch.Tensor:
+    """Enter sequence parallelism: this tp rank's block of the replicated `x` along `dim`."""
+    return _Scatter.apply(x, group, dim)
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = SEQ) -> torch.Tensor:
+    """Leave sequence parallelism: the whole sequence, for layers replicated over tp."""
+    return _GatherToReplicated.apply(x, group, dim)
 
 
 class _GatherForTP(torch.autograd.Function):
@@ -159,9 +169,9 @@ def _sequence_parallel(model: nn.Module, group) -> None:
     """Scatter after the embedding, gather after the final norm, gather at each attention/MLP
     input, norms on the local tokens with whole gradients."""
     embed = model.tok_emb.forward
-    model.tok_emb.forward = lambda ids: _Scatter.apply(embed(ids), group)
+    model.tok_emb.forward = lambda ids: scatter_sequence(embed(ids), group)
     final = functools.partial(_norm_forward, model.norm, group=group)
-    model.norm.forward = lambda x: _GatherToReplicated.apply(final(x), group)
+    model.norm.forward = lambda x: gather_sequence(final(x), group)
     for block in model.layers:
         for norm in (block.attn_norm, block.mlp_norm):
             norm.forward = functools.partial(_norm_forward, norm, group=group)

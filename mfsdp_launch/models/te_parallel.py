@@ -25,6 +25,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from .parallelize import gather_sequence, scatter_sequence
+
 # TE's fused SwiGLU fc1 holds [gate | up] per rank: a tp shard is [gate_r | up_r], not a contiguous
 # row block of the full [gate | up].
 GLU_WEIGHTS = ("fc1_weight", "fc1_bias")
@@ -47,49 +49,13 @@ def is_sequence_parallel(param) -> bool:
     return bool(getattr(getattr(param, "orig_param", param), "sequence_parallel", False))
 
 
-class _ScatterSeq(torch.autograd.Function):
-    """Forward: this tp rank's block of dim 0. Backward: all-gather the gradient (every rank's
-    replicated input needs the whole gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        return x.chunk(size, dim=0)[rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """Forward: all-gather dim 0. Backward: this rank's block (what follows is replicated over tp,
-    so every rank holds the same whole gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        return grad.chunk(size, dim=0)[rank].contiguous(), None
-
-
-def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out
-
-
 def scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    return _ScatterSeq.apply(x, group)
+    """Into TE's sequence parallelism: TE runs seq-first ([s, b, h]), so the sequence is dim 0."""
+    return scatter_sequence(x, group, dim=0)
 
 
 def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    return _GatherSeq.apply(x, group)
+    return gather_sequence(x, group, dim=0)
 
 
 def sync_sequence_parallel_grads(params: Iterable, tp_group, grad_attr: str = "grad") -> None:
