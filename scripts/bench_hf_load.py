@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-BACKEND = "nccl"
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -49,10 +48,11 @@ def write_checkpoint(out: Path, preset: str) -> float:
     return sum(nbytes.values()) / 2**30
 
 
-def run(engine: str, hf_dir: Path, run_dir: Path, nproc: int, steps: int) -> str:
+def run(engine: str, hf_dir: Path, run_dir: Path, nproc: int, steps: int, backend: str) -> str:
+    gpu = backend == "nccl"  # gloo: a quick try on a CPU, fp32 and short sequences
     cmd = [sys.executable, "-m", "mfsdp_launch", "model=hf", f"model.path={hf_dir}", "model.pretrained=true",
-           "model.init_on_meta=true", f"engine={engine}", f"engine.backend={BACKEND}", f"launcher.nproc_per_node={nproc}",
-           f"precision.compute_dtype={'bf16' if BACKEND == 'nccl' else 'fp32'}", f"train.seq_len={2048 if BACKEND == 'nccl' else 128}", "train.micro_batch_size=1", f"train.steps={steps}",
+           "model.init_on_meta=true", f"engine={engine}", f"engine.backend={backend}", f"launcher.nproc_per_node={nproc}",
+           f"precision.compute_dtype={'bf16' if gpu else 'fp32'}", f"train.seq_len={2048 if gpu else 128}", "train.micro_batch_size=1", f"train.steps={steps}",
            "train.log_interval=1", "checkpoint.save_final=false", f"run.dir={run_dir}"]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
@@ -75,8 +75,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--backend", default="nccl", help="gloo to try it on a CPU")
     args = ap.parse_args()
-    global BACKEND
-    BACKEND = args.backend
     base = Path(args.dir)
     hf_dir = base / f"llama_{args.preset}"
     if not (hf_dir / "config.json").exists():
@@ -84,7 +82,7 @@ def main() -> int:
         gib = write_checkpoint(hf_dir, args.preset)
         print(f"wrote a {gib:.1f} GiB {args.preset} checkpoint in {time.time() - t0:.0f} s: "
               f"{sorted(p.name for p in hf_dir.iterdir())}", flush=True)
-    results = {e: run(e, hf_dir, base / f"run_{e}", args.nproc, args.steps) for e in args.engine or ["megatron_fsdp"]}
+    results = {e: run(e, hf_dir, base / f"run_{e}", args.nproc, args.steps, args.backend) for e in args.engine or ["megatron_fsdp"]}
     print(json.dumps(results, indent=1))
     return 0
 
