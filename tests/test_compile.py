@@ -1,11 +1,10 @@
 """`train.compile`: each transformer block is compiled in place (names and FSDP hooks unchanged),
 and a compiled run trains to the eager run's losses."""
 
-import json
-
 import pytest
 
 from conftest import cli
+from mfsdp_launch.runstate import read_metrics
 
 torch = pytest.importorskip("torch")
 
@@ -33,6 +32,5 @@ def test_compiled_run_has_the_eager_losses(tmp_path):
     for flag in ("false", "true"):
         out = cli(*base, f"train.compile={flag}", f"run.dir={tmp_path / flag}", timeout=400)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-        rows = (tmp_path / flag / "metrics.jsonl").read_text().splitlines()
-        losses[flag] = [json.loads(r)["loss"] for r in rows]
+        losses[flag] = [r["loss"] for r in read_metrics(tmp_path / flag)]
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)

@@ -17,6 +17,7 @@ from mfsdp_launch.config import prepare
 from mfsdp_launch.errors import ConfigError
 from mfsdp_launch.models import cp_layout
 from mfsdp_launch.models.gpt_modules import rope_cos_sin
+from mfsdp_launch.runstate import read_metrics
 
 # ---------------------------------------------------------------------------- the attention op
 
@@ -119,8 +120,7 @@ def run(run_dir, *overrides, steps=10, save=False):
 
 
 def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "loss" in r}
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT, cli, cli_env
+from mfsdp_launch.runstate import read_metrics
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -39,7 +40,7 @@ def window_batch(path) -> dict:
 
 
 def losses(run_dir) -> dict:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
 
 
 def train(run_dir, *overrides, env=None):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from mfsdp_launch.runstate import read_metrics
+
 if __name__ != "__main__":
     from conftest import cli
 
@@ -31,7 +33,7 @@ def run(run_dir, *overrides, steps=20, save=False):
 
 
 def metrics(run_dir):
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r for r in read_metrics(run_dir)}
 
 
 def assert_same_curve(a, b, steps):
