@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .oom import note_step
-from .metrics import MetricsWriter, StepTimer, peak_memory_gib, peak_reserved_gib
+from .metrics import MetricsWriter, StepTimer, alloc_retries, peak_memory_gib, peak_reserved_gib
 
 
 @dataclass
@@ -177,6 +177,7 @@ def _log_row(ctx: LoopContext, state: TrainState, loss: torch.Tensor, grad_norm,
         "mfu": mfu,
         "peak_mem_gib": peak_memory_gib(ctx.device),
         "peak_reserved_gib": peak_reserved_gib(ctx.device),
+        "alloc_retries": alloc_retries(ctx.device),
         "step_time_s": dt,
         "tokens_seen": state.tokens_seen,
         "ckpt_blocked_s": blocked,

@@ -31,6 +31,12 @@ def peak_reserved_gib(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_reserved(device) / 1024**3 if device.type == "cuda" else None
 
 
+def alloc_retries(device: torch.device) -> Optional[int]:
+    """How often the caching allocator had to free its cache and retry a cudaMalloc so far: a
+    count that grows every step means memory is nearly full and the steps slow down."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else None
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
