@@ -182,7 +182,7 @@ def commands(e: dict, kit: Path, logs: Path, launcher_steps: int) -> List[List[s
 
 
 def launcher_overrides(e: dict, steps: int, run_dir: Path, world: int = WORLD) -> List[str]:
-    return [*bench.launcher_args(e, world, steps, 5, run_dir), *e.get("extra", [])]
+    return bench.launcher_args(e, world, steps, 5, run_dir)  # (it appends the entry's "extra" overrides)
 
 
 def run_group(cmd: List[str], timeout: int, **kw) -> subprocess.CompletedProcess:

@@ -121,6 +121,8 @@ def test_every_launcher_entry_passes_validation():
     assert len(small) == 24 and {e["variant"] for e in small} == {"eager", "compile", "graph"}
     for e in ours + small:
         args = bp.launcher_overrides(e, 30, Path("/nonexistent") / e["name"], e.get("world", bp.WORLD))
+        keys = [a.split("=", 1)[0] for a in args]
+        assert len(keys) == len(set(keys)), args  # each override once (an entry's extras too)
         cfg, _ = prepare(args, check_hardware=False)
         assert cfg.launcher.nproc_per_node == e.get("world", bp.WORLD)
         assert cfg.train.micro_batch_size == e["mbs"]
