@@ -40,6 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_report  # noqa: E402  (issue 16's now/after table and the peers' notes under results.md)
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench"
 
@@ -169,6 +172,31 @@ MATRIX += [
     entry("te8b_current_ga8_expseg", "te8b", env=EXPSEG, **dict(TE8B, precision="current")),
     entry("te8b_delayed_params_ga8_expseg", "te8b", env=EXPSEG, fp8_params=True, **TE8B),
 ]
+# Second round (te8b_opt), after the profile: the reference again, then one change each and all
+# together. bf16 gradients halve the reduce-scatter bytes (and 8 GiB of gradient buffer; what
+# Megatron-FSDP's guide recommends, --grad-reduce-in-bf16); NCCL user buffers run the all-gather
+# and reduce-scatter on ~5 SMs instead of ~20, so the GEMMs they overlap keep theirs; TE's fused
+# cross-entropy drops the fp32 copy of the 8192 x 128256 logits and its softmax kernels.
+BF16_GRADS, NCCL_UB, FUSED_CE = "precision.main_grads_dtype=bf16", "engine.nccl_ub=true", "model.loss_kernel=te_fused"
+MATRIX += [
+    entry("te8b_opt_ref", "te8b_opt", **TE8B),
+    entry("te8b_opt_bf16grads", "te8b_opt", extra=[BF16_GRADS], **TE8B),
+    entry("te8b_opt_fusedce", "te8b_opt", extra=[FUSED_CE], **TE8B),
+    entry("te8b_opt_ncclub", "te8b_opt", extra=[NCCL_UB], **TE8B),
+    entry("te8b_opt_all", "te8b_opt", extra=[BF16_GRADS, FUSED_CE, NCCL_UB], **TE8B),
+    entry("te8b_opt_all_ga16", "te8b_opt_more", extra=[BF16_GRADS, FUSED_CE, NCCL_UB], **dict(TE8B, ga=16, steps=5)),
+    entry("te8b_opt_bf16grads_fusedce", "te8b_opt_more", extra=[BF16_GRADS, FUSED_CE], **TE8B),
+]
+# The issue's other "now" rows, re-measured: te_gpt 8b on the hfsdp_fp8 recipe's mesh on one node
+# (dp_outer=2, outer ZeRO-1, seq 4096; FP8 delayed and bf16) and gpt 8b bf16 at seq 4096.
+HFSDP8B = dict(model="te_gpt", preset="8b", seq=4096, mbs=1, steps=8, log_interval=2, timeout=300,
+               outer=(2, "optim"))
+MATRIX += [
+    entry("now_te_gpt_8b_hfsdp_delayed_s4096", "now8b", **dict(HFSDP8B, precision="delayed")),
+    entry("now_te_gpt_8b_hfsdp_bf16_s4096", "now8b", **dict(HFSDP8B, precision="bf16")),
+    entry("now_gpt_8b_bf16_s4096", "now8b", model="gpt", preset="8b", seq=4096, mbs=1, precision="bf16", steps=8,
+          log_interval=2, timeout=300),
+]
 
 
 def memory_reference() -> list:
@@ -198,13 +226,14 @@ def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: P
                       f"model.hf_config={hydra_dict(hf_llama_config(e['preset']))}"]
     else:
         model_args = [f"model={e['model']}", f"model.preset={e['preset']}"]
+    dp_outer, outer = e.get("outer", (1, "no_shard"))  # HSDP/HFSDP: (dp_outer, outer strategy)
     args = [
         f"engine={e['engine']}", *model_args, "model.init_on_meta=true",
         "data=synthetic", f"train.steps={steps}", f"train.log_interval={log_interval}",
         f"train.seq_len={e['seq']}", f"train.micro_batch_size={e['mbs']}", "train.progress=false",
         "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "precision.main_grads_dtype=fp32",
-        f"sharding.zero_dp_strategy={e.get('zero', 3)}", "sharding.outer_dp_sharding_strategy=no_shard",
-        "mesh.dp_outer=1", "mesh.dp_shard=-1", f"mesh.tp={e.get('tp', 1)}", f"mesh.cp={e.get('cp', 1)}",
+        f"sharding.zero_dp_strategy={e.get('zero', 3)}", f"sharding.outer_dp_sharding_strategy={outer}",
+        f"mesh.dp_outer={dp_outer}", "mesh.dp_shard=-1", f"mesh.tp={e.get('tp', 1)}", f"mesh.cp={e.get('cp', 1)}",
         f"launcher.nproc_per_node={world}",
         "checkpoint.save_final=false", "checkpoint.resume=never", f"run.dir={run_dir}",
     ]
@@ -433,6 +462,7 @@ def render(res: dict) -> None:
                          f"**{g['tokens_per_s_per_gpu'] / h['tokens_per_s_per_gpu']:.3f}x**")
     if notes:
         lines += ["", *notes]
+    lines += bench_report.report_lines(res["runs"])  # the peers' and small models' notes, issue 16's table
     (OUT / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

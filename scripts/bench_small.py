@@ -104,26 +104,8 @@ def run(todo: List[dict], logs: Path, steps: int) -> int:
             got = (f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, MFU {100 * (row.get('mfu') or 0):.1f}%"
                    if row.get("ok") else "FAILED " + str(row.get("error", ""))[-300:])
             print(f"{row['name']}: {got} ({row.get('wall_s', '?')} s)", flush=True)
-    bench.render(res)
-    bench_peers.append_notes(res)  # the peers' and these notes, under scripts/bench.py's table
+    bench.render(res)  # with the peers' and these notes (scripts/bench_report.py)
     return 0
-
-
-def small_notes(runs: dict) -> List[str]:
-    """Per model and GPU count: the shipped recipe's setting (mbs 4, eager) and the best row's MFU."""
-    ok = [r for r in runs.values() if r.get("group") == GROUP and r.get("ok") and r.get("mfu") is not None]
-    lines = []
-    for model in ("gpt", "te_gpt"):
-        for world in (1, 2):
-            rows = [r for r in ok if r["model"] == model and r["world"] == world]
-            if not rows:
-                continue
-            best = max(rows, key=lambda r: r["mfu"])
-            base = next((r for r in rows if r["mbs"] == 4 and r.get("variant") == "eager"), None)
-            start = f"mbs 4 eager {100 * base['mfu']:.1f}% -> " if base else ""
-            lines.append(f"- {model} 125m on {world} GPU(s): {start}best {best['name']} **{100 * best['mfu']:.1f}% MFU** "
-                         f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; goal >= 25%)")
-    return lines
 
 
 if __name__ == "__main__":

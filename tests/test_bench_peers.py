@@ -150,11 +150,12 @@ def test_a_timed_out_run_takes_its_children_with_it(tmp_path):
 
 
 def test_small_notes_name_the_best_mfu():
+    import bench_report
     import bench_small
 
     rows = {}
     for e, mfu in zip(bench_small.matrix()[:6], (0.08, 0.12, 0.10, 0.20, 0.27, 0.22)):
         rows[e["name"]] = dict(e, ok=True, mfu=mfu, tokens_per_s_per_gpu=1000 * mfu)
-    notes = bench_small.small_notes(rows)
+    notes = bench_report.small_notes(rows)
     assert notes == ["- gpt 125m on 1 GPU(s): mbs 4 eager 8.0% -> best small_mfsdp_gpt_125m_mbs16_compile_g1 "
                      "**27.0% MFU** (270 tokens/s/GPU; goal >= 25%)"]

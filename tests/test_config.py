@@ -201,6 +201,13 @@ def test_freeze_glob_that_matches_is_accepted():
     assert list(cfg.model.freeze) == ["transformer.encoder.*"]
 
 
+def test_megatron_only_switches_warn_under_fsdp2():
+    _, warnings = checked("engine=fsdp2", "engine.nccl_ub=true")
+    assert warnings == ["engine.nccl_ub does nothing with engine=fsdp2"]
+    _, warnings = checked("engine=megatron_fsdp", "model=toy_transformer", "engine.nccl_ub=true")
+    assert not any("does nothing" in w for w in warnings)
+
+
 def test_cross_node_warning_in_validation():
     _, warnings = checked("launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.rdzv_endpoint=h:1")
     assert any("dp_shard" in w and "span" in w for w in warnings)
@@ -299,3 +306,16 @@ def test_the_config_layer_and_the_cli_never_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
+
+
+def test_fused_loss_kernel_belongs_to_the_gpt_families_and_needs_cuda(monkeypatch):
+    err = refused("model=toy_transformer", "engine=fsdp2", "model.loss_kernel=te_fused")
+    assert err.key == "model.loss_kernel" and "model=gpt|te_gpt" in str(err)
+    from mfsdp_launch.config import machine
+
+    cfg, _ = checked("model=gpt", "model.loss_kernel=te_fused")
+    assert "Triton" in machine.needs_cuda(cfg)
+    monkeypatch.setattr(machine, "import_problem", lambda module, probe: "not installed" if "transformer" in module else "")
+    with pytest.raises(ConfigError) as exc:
+        machine.check_installs(cfg, probe=False)
+    assert exc.value.key == "model.loss_kernel"

@@ -117,7 +117,11 @@ def test_engine_switches_pass_through():
     assert p.sync_model_each_microbatch and p.cuda_graph_mode
     d = plan().as_dict()
     assert not any(d[k] for k in ("report_nan_in_param_grad", "keep_fp8_transpose_cache", "use_decoupled_grad",
-                                  "sync_model_each_microbatch", "cuda_graph_mode", "init_model_with_meta_device"))
+                                  "sync_model_each_microbatch", "cuda_graph_mode", "init_model_with_meta_device",
+                                  "nccl_ub", "fsdp_double_buffer"))
+    ub = plan(engine=EngineConfig(name="megatron_fsdp", nccl_ub=True))
+    assert ub.nccl_ub and ub.fsdp_double_buffer  # user buffers need the persistent double buffer
+    assert plan(engine=EngineConfig(name="megatron_fsdp", fsdp_double_buffer=True)).fsdp_double_buffer
 
 
 def test_engine_make_plan_uses_mesh_presence():

@@ -77,6 +77,11 @@ def test_tensor_parallel_splits_blocks_not_the_head():
     assert two.logits == one.logits  # the head stays whole on every tp rank
 
 
+def test_fused_loss_holds_bf16_logits_not_fp32_buffers():
+    torch_ce, fused = _est("model=te_gpt"), _est("model=te_gpt", "model.loss_kernel=te_fused")
+    assert fused.logits == pytest.approx(torch_ce.logits / 3) and fused.activations == torch_ce.activations
+
+
 def test_context_parallel_divides_tokens_per_rank():
     # (gpt's cp is validated elsewhere; the estimate follows the mesh whatever the model)
     one = _est("train.seq_len=32768")

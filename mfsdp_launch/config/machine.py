@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..hardware import local_gpu_count
 from ..models import family
 from .fp8 import FP8Recipe
-from .schema import Backend, OptimImpl
+from .schema import Backend, LossKernel, OptimImpl
 
 
 def import_problem(module: str, probe: bool) -> str:
@@ -40,7 +40,8 @@ def check_installs(cfg, probe: bool) -> None:
         wanted.append(("engine", "engine=megatron_fsdp", "megatron_fsdp", "pip install 'megatron-fsdp>=0.6.1'"))
     te_users = [("model", f"model={cfg.model.name}", family(cfg.model.name).has_te_layers),
                 ("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}", cfg.fp8.recipe != FP8Recipe.none),
-                ("optim.impl", "optim.impl=te_fused", cfg.optim.impl == OptimImpl.te_fused)]
+                ("optim.impl", "optim.impl=te_fused", cfg.optim.impl == OptimImpl.te_fused),
+                ("model.loss_kernel", "model.loss_kernel=te_fused", _fused_loss(cfg))]
     for key, what, used in te_users:
         if used:
             wanted.append((key, what, "transformer_engine.pytorch", "pip install 'mfsdp-launch[te]'"))
@@ -57,9 +58,15 @@ def needs_cuda(cfg) -> str:
         return f"engine={cfg.engine.name} runs on CUDA + NCCL only"
     if family(cfg.model.name).has_te_layers:
         return f"model={cfg.model.name} (Transformer Engine) needs CUDA"
+    if _fused_loss(cfg):
+        return "model.loss_kernel=te_fused (a Triton kernel) needs CUDA"
     if cfg.engine.backend == Backend.nccl:
         return "engine.backend=nccl needs CUDA"
     return ""
+
+
+def _fused_loss(cfg) -> bool:
+    return getattr(cfg.model, "loss_kernel", LossKernel.torch) == LossKernel.te_fused
 
 
 def check_gpus(cfg) -> None:

@@ -56,6 +56,13 @@ class ACMode(Choice):
     selective = "selective"  # every model.ac_every-th block
 
 
+class LossKernel(Choice):
+    """model.loss_kernel (gpt, te_gpt): how the next-token cross-entropy runs."""
+
+    torch = "torch"  # F.cross_entropy on fp32 logits
+    te_fused = "te_fused"  # TE's fused kernel on the bf16 logits (CUDA): no fp32 copy, fewer kernels
+
+
 class LauncherKind(Choice):
     torchrun = "torchrun"
     slurm = "slurm"
@@ -84,6 +91,11 @@ class EngineConfig:
     use_decoupled_grad: bool = False
     # Every microbatch all-reduces/reduce-scatters when true; else only the last one does.
     sync_every_microbatch: bool = False
+    # Megatron-FSDP only: NCCL user buffers (symmetric registration: all-gather / reduce-scatter on
+    # ~5 SMs instead of ~20, so overlapped GEMMs keep theirs; needs torch >= 2.11). Turns on
+    # fsdp_double_buffer: persistent communication buffers, more memory.
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
 
 
 @dataclass
@@ -150,6 +162,7 @@ class ModelConfig:
     # none | full (every block) | selective (every ac_every-th block); models/checkpointing.py.
     activation_checkpointing: ACMode = ACMode.none
     ac_every: int = 2
+    loss_kernel: LossKernel = LossKernel.torch
     # model=custom (models/custom.py): `pkg.module:function` building the nn.Module, its keyword
     # arguments, an optional `pkg.module:fn(model)` initializing it, and the batch contract.
     # kwargs/hf_config are `Any` (a mapping, checked by the family): a typed Dict field would be

@@ -9,7 +9,7 @@ from typing import List
 
 from omegaconf import OmegaConf
 
-from ..engines import EngineCaps, engine_caps
+from ..engines import EngineCaps, engine_caps, foreign_engine_keys
 from ..errors import ConfigError
 from ..globs import check_globs_match
 from ..mesh import ParallelDims, world_size
@@ -265,9 +265,8 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
         raise ConfigError("optim.impl", f"te_fused (TE FusedAdam) is not wired for engine={caps.name}", "torch")
     if t.cuda_graph == CudaGraphMode.full_iteration:
         _check_cuda_graph(cfg, caps)
-    if not caps.fp8_params and cfg.engine.keep_fp8_transpose_cache:
-        return [f"engine.keep_fp8_transpose_cache does nothing with engine={caps.name}"]
-    return []
+    return [f"engine.{key} does nothing with engine={caps.name}" for key in foreign_engine_keys(caps)
+            if getattr(cfg.engine, key)]
 
 
 def _check_cuda_graph(cfg, caps: EngineCaps) -> None:

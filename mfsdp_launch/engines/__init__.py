@@ -30,6 +30,8 @@ class EngineCaps:
     # Averages gradients over dp_shard x cp, so a family that splits sequences over cp can run.
     context_parallel: bool = False
     why_not: str = ""  # appended to refusals: what to use instead
+    # engine.* switches only this engine reads (validation warns when another engine gets them).
+    own_keys: FrozenSet[str] = frozenset()
 
 
 ENGINES: Dict[str, EngineCaps] = {
@@ -40,6 +42,8 @@ ENGINES: Dict[str, EngineCaps] = {
             zero=frozenset(ZeroStrategy), outer=frozenset(OuterStrategy), model_parallel=True,
             fp8_params=True, te_fused_optim=True, cuda_graph=True, default_mesh=True,
             context_parallel=True,
+            own_keys=frozenset({"keep_fp8_transpose_cache", "use_decoupled_grad", "report_nan_in_param_grad",
+                                "nccl_ub", "fsdp_double_buffer"}),
         ),
         EngineCaps(
             # FSDP2 shards only over the data-parallel dims; ZeRO-1 and HFSDP have no FSDP2 form, and
@@ -56,6 +60,11 @@ ENGINES: Dict[str, EngineCaps] = {
 }
 
 
+def foreign_engine_keys(caps: EngineCaps) -> list:
+    """engine.* switches that other engines read and `caps`' engine ignores."""
+    return sorted(set().union(*(c.own_keys for c in ENGINES.values())) - caps.own_keys)
+
+
 def engine_caps(name: str) -> EngineCaps:
     if name not in ENGINES:
         raise ConfigError("engine", f"unknown engine {name!r}", list(ENGINES))
@@ -68,4 +77,4 @@ def get_engine(name: str, **kwargs):
     return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
-__all__ = ["ENGINES", "EngineCaps", "engine_caps", "get_engine"]
+__all__ = ["ENGINES", "EngineCaps", "engine_caps", "foreign_engine_keys", "get_engine"]

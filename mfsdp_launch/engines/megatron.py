@@ -122,6 +122,8 @@ class MegatronFSDPEngine(Engine):
             keep_fp8_transpose_cache=plan.keep_fp8_transpose_cache,
             use_decoupled_grad=plan.use_decoupled_grad,
             cuda_graph_mode=plan.cuda_graph_mode,
+            nccl_ub=plan.nccl_ub,
+            fsdp_double_buffer=plan.fsdp_double_buffer,
         )
         if plan.use_mesh:
             kwargs.update(

@@ -35,6 +35,8 @@ class MegatronPlan:
     use_decoupled_grad: bool
     report_nan_in_param_grad: bool
     cuda_graph_mode: bool
+    nccl_ub: bool
+    fsdp_double_buffer: bool
     # Group over which gradient shards are disjoint: "none" (full replicas), "fsdp"
     # (dp_shard[_cp]) or "hybrid" (dp_outer x dp_shard[_cp], HFSDP).
     grad_norm_group: str
@@ -93,6 +95,8 @@ def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_en
         use_decoupled_grad=bool(getattr(engine_cfg, "use_decoupled_grad", False)),
         report_nan_in_param_grad=bool(getattr(engine_cfg, "report_nan_in_param_grad", False)),
         cuda_graph_mode=bool(cuda_graph),
+        nccl_ub=bool(getattr(engine_cfg, "nccl_ub", False)),
+        fsdp_double_buffer=bool(getattr(engine_cfg, "fsdp_double_buffer", False) or getattr(engine_cfg, "nccl_ub", False)),
         grad_norm_group=norm_group,
         checkpoint_format="replicated" if zero is ZeroStrategy.no_shard else "dtensor",
     )

@@ -6,7 +6,7 @@ from typing import List
 
 from ..errors import ConfigError
 from . import llama_dims as L
-from .family import ModelContext, ModelFamily, ModelSpec, find_module, lm_loss
+from .family import ModelContext, ModelFamily, ModelSpec, find_module, loss_for
 
 
 class GPTFamily(ModelFamily):
@@ -108,7 +108,8 @@ class GPTFamily(ModelFamily):
 
     def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> dict:
         return L.activation_parts(self.dims(m), micro_batch_size, seq_len, bytes_per_el,
-                                  str(m.activation_checkpointing), m.ac_every, tp, te_layers=self.has_te_layers)
+                                  str(m.activation_checkpointing), m.ac_every, tp, te_layers=self.has_te_layers,
+                                  loss_kernel=str(m.loss_kernel))
 
     def largest_unit_params(self, m) -> int:
         # Units: each Block; the root holds the embedding, final norm and head.
@@ -120,7 +121,7 @@ class GPTFamily(ModelFamily):
         return f"{self.name} {L.describe(self.dims(m), m.preset)} " + super().describe(m, seq_len).split(" ", 1)[1]
 
     def _spec(self, m, seq_len: int, **parts) -> ModelSpec:
-        return ModelSpec(name=self.name, loss=lm_loss, uses_tokens=True, synthetic_batch=None,
+        return ModelSpec(name=self.name, loss=loss_for(m.loss_kernel), uses_tokens=True, synthetic_batch=None,
                          tokens_per_sample=seq_len, num_params=self.param_count(m),
                          flops_per_token=self.flops_per_token(m, seq_len), vocab_size=self.vocab_size(m), **parts)
 

@@ -163,6 +163,13 @@ def flops_per_token(d: GPTDims, seq_len: int) -> float:
 # Bytes per logit alive when the loss's backward starts (lm_loss: cross-entropy in fp32): the
 # log-softmax output it saved, the gradient arriving at it and the gradient it returns, each fp32.
 LOSS_BYTES_PER_LOGIT = 12
+# model.loss_kernel=te_fused: the bf16 logits, which the kernel overwrites with their gradient, and
+# at most one bf16 copy when backward scales it.
+FUSED_LOSS_BYTES_PER_LOGIT = 4
+
+
+def loss_bytes_per_logit(loss_kernel) -> int:
+    return FUSED_LOSS_BYTES_PER_LOGIT if str(loss_kernel) == "te_fused" else LOSS_BYTES_PER_LOGIT
 
 
 def checkpointed_count(n_layers: int, activation_checkpointing: str = "none", ac_every: int = 1) -> int:
@@ -177,7 +184,7 @@ def checkpointed_count(n_layers: int, activation_checkpointing: str = "none", ac
 
 def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
                      activation_checkpointing: str = "none", ac_every: int = 1, tp: int = 1,
-                     te_layers: bool = False) -> dict:
+                     te_layers: bool = False, loss_kernel: str = "torch") -> dict:
     """Bytes one rank holds for backward at the start of the backward pass, one micro-batch:
     {"activations": the blocks and embedding, "logits": the loss's buffers}.
 
@@ -192,7 +199,7 @@ def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_
       * TE `te_gpt` TransformerLayer: 6d + 2kv + 3f (its fused kernels save less); with tp its
         sequence parallelism splits all of it.
     A checkpointed block keeps only its input, plus one block's full set while it recomputes.
-    Logits: `LOSS_BYTES_PER_LOGIT` per token and vocab entry (the head is whole on every tp rank).
+    Logits: `loss_bytes_per_logit` per token and vocab entry (the head is whole on every tp rank).
     """
     tokens = micro_batch_size * seq_len
     if te_layers:
@@ -205,7 +212,7 @@ def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_
     n_ckpt = checkpointed_count(d.n_layers, activation_checkpointing, ac_every)
     layers = n_ckpt * ckpt_in + live_blocks(d, activation_checkpointing, ac_every) * (per_layer + weights)
     return {"activations": int(tokens * (layers + 3 * d.dim) * bytes_per_el),
-            "logits": int(tokens * d.vocab_size * LOSS_BYTES_PER_LOGIT)}
+            "logits": int(tokens * d.vocab_size * loss_bytes_per_logit(loss_kernel))}
 
 
 def live_blocks(d: GPTDims, activation_checkpointing: str = "none", ac_every: int = 1) -> int:

@@ -1,0 +1,140 @@
+"""Issue 16's scoreboard under bench/results.md: each workload's figure when the issue was filed
+("now") next to the best row measured since ("after"), and the notes of the peers and small-model
+groups. Pure functions over results.json's rows (no torch, no bench import), called by
+scripts/bench.py's `render`, so every script that re-renders results.md writes the same page.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+Rows = Dict[str, dict]
+PEERS, SMALL = "peers", "small"
+
+
+def _ok(runs: Rows) -> List[dict]:
+    return [r for r in runs.values() if r.get("ok") and r.get("tokens_per_s_per_gpu")]
+
+
+def _best(rows: List[dict], key: str = "tokens_per_s_per_gpu") -> Optional[dict]:
+    rows = [r for r in rows if r.get(key) is not None]
+    return max(rows, key=lambda r: r[key]) if rows else None
+
+
+def _tps(r: Optional[dict]) -> str:
+    if not r:
+        return "not measured"
+    mfu = f", {100 * r['mfu']:.1f} % MFU" if r.get("mfu") is not None else ""
+    return f"{r['tokens_per_s_per_gpu']:,.0f}{mfu} (`{r['name']}`)"
+
+
+def _te8b(runs: Rows, ga_min: int) -> Optional[dict]:
+    return _best([r for r in _ok(runs) if r.get("model") == "te_gpt" and r.get("preset") == "8b"
+                  and r.get("seq") == 8192 and r.get("tp", 1) == 1 and r.get("cp", 1) == 1
+                  and (r.get("ga", 1) >= ga_min if ga_min > 1 else r.get("ga", 1) == 1)])
+
+
+def _named(runs: Rows, *names: str) -> Optional[dict]:
+    return _best([r for r in _ok(runs) if r["name"] in names])
+
+
+def _gpt_1p4b(runs: Rows, **match) -> Optional[dict]:
+    rows = [r for r in _ok(runs) if r.get("model") == "gpt" and r.get("preset") == "1.4b"
+            and r.get("precision") == "bf16" and r.get("tp", 1) == 1 and r.get("kind") == "launcher"
+            and all(r.get(k) == v for k, v in match.items())]
+    return _best(rows, "mfu")
+
+
+def _peer(runs: Rows, prefix: str) -> Optional[dict]:
+    """The peer's latest row of the peers group (tokens/s/GPU of that call)."""
+    rows = [r for r in _ok(runs) if r.get("group") == PEERS and r["name"].startswith(prefix)]
+    return max(rows, key=lambda r: r.get("measured_at", "")) if rows else None
+
+
+def _fp8_gain(runs: Rows) -> str:
+    bf16 = _named(runs, "mfsdp_te_gpt_2b_bf16_mbs4")
+    fp8 = _best([r for r in _ok(runs) if r["name"].startswith("mfsdp_te_gpt_2b_") and r["name"].endswith("_mbs4")
+                 and r.get("precision") != "bf16" and not r.get("fp8_params")])
+    if not (bf16 and fp8):
+        return "not measured"
+    return f"{fp8['tokens_per_s_per_gpu'] / bf16['tokens_per_s_per_gpu']:.2f}x (`{fp8['name']}` / `{bf16['name']}`)"
+
+
+def _small(runs: Rows) -> str:
+    rows = [r for r in _ok(runs) if r.get("group") == SMALL and r.get("mfu") is not None]
+    parts = []
+    for model in ("gpt", "te_gpt"):
+        for world in (1, 2):
+            b = _best([r for r in rows if r["model"] == model and r["world"] == world], "mfu")
+            if b:
+                parts.append(f"{model} {world} GPU: {100 * b['mfu']:.1f} %")
+    return ", ".join(parts) + " MFU (`scripts/bench_small.py`)" if parts else "not measured"
+
+
+# (workload, now: the issue's figure on 2x H200, after: a function of the rows, reference / goal)
+GOALS: List[Tuple[str, str, Callable[[Rows], str], str]] = [
+    ("te_gpt 8b FP8, dp_shard=2, seq 8192, mbs 1, grad_accum >= 8", "13,733",
+     lambda runs: _tps(_te8b(runs, 8)),
+     "goal >= 15,000; Megatron-Bridge Llama3 8B FP8 + Megatron-FSDP, 8x H100: 14,451 (published)"),
+    ("same, grad_accum 1", "12,865", lambda runs: _tps(_te8b(runs, 1)), ""),
+    ("te_gpt 8b, HFSDP (dp_outer=2, dp_shard=1), seq 4096, FP8 delayed", "10,493",
+     lambda runs: _tps(_named(runs, "now_te_gpt_8b_hfsdp_delayed_s4096")), ""),
+    ("same, bf16", "8,272", lambda runs: _tps(_named(runs, "now_te_gpt_8b_hfsdp_bf16_s4096")), ""),
+    ("gpt 1.4b bf16 ZeRO-3, seq 2048, mbs 4, eager (the peers' settings)", "41,464 (37.7 % MFU)",
+     lambda runs: _tps(_gpt_1p4b(runs, seq=2048, mbs=4, group=PEERS, engine="megatron_fsdp")),
+     "torchtitan 0.3.0 on the same model and GPUs: 38,590; Automodel FSDP2: 32,900 (when the issue was filed)"),
+    ("gpt 1.4b bf16, our best settings", "37.7 % MFU", lambda runs: _tps(_gpt_1p4b(runs)), "goal >= 50 % MFU"),
+    ("gpt 8b bf16, seq 4096, mbs 1", "7,850 (40.9 % MFU)", lambda runs: _tps(_named(runs, "now_gpt_8b_bf16_s4096")),
+     "torchtitan 8B bf16 FSDP, 8x H100, seq 8192: 5,762 (published)"),
+    ("125M gpt / te_gpt (recipes as shipped: mbs 4, eager)", "5-14 % MFU", _small, "goal >= 25 % MFU"),
+    ("te_gpt d=4096 8 layers, best FP8 / bf16", "1.45x", _fp8_gain, ""),
+]
+
+
+def goal_table(runs: Rows) -> List[str]:
+    lines = ["## Issue 16: now and after", "",
+             "\"now\": the figure when the issue was filed (2x H200, `mfsdp-train`); \"after\": the best row of "
+             "this page for the same workload (tokens/s/GPU, MFU against the bf16 peak).", "",
+             "| workload | now | after | reference / goal |", "|---|---|---|---|"]
+    for workload, now, after, ref in GOALS:
+        lines.append(f"| {workload} | {now} | {after(runs)} | {ref} |")
+    return lines
+
+
+def peer_notes(runs: Rows) -> List[str]:
+    """Our best launcher row of the peers group against each peer of the same call."""
+    ok = [r for r in _ok(runs) if r.get("group") == PEERS]
+    ours, peers = [r for r in ok if r.get("kind") == "launcher"], [r for r in ok if r.get("kind") == "peer"]
+    if not ours or not peers:
+        return []
+    best = _best(ours)
+    lines = [f"- peers (one call, interleaved, 1.4B Llama dims, seq 2048, mbs 4, 2 GPUs): our best "
+             f"{best['name']} {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"]
+    for p in sorted(peers, key=lambda r: r["name"]):
+        lines.append(f"  - vs {p['engine']} ({p['name']}, {p['tokens_per_s_per_gpu']:,.0f}): "
+                     f"**{best['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.3f}x** (goal >= 1.15x torchtitan)")
+    return lines
+
+
+def small_notes(runs: Rows) -> List[str]:
+    """Per model and GPU count: the shipped recipe's setting (mbs 4, eager) and the best row's MFU."""
+    ok = [r for r in _ok(runs) if r.get("group") == SMALL and r.get("mfu") is not None]
+    lines = []
+    for model in ("gpt", "te_gpt"):
+        for world in (1, 2):
+            rows = [r for r in ok if r["model"] == model and r["world"] == world]
+            if not rows:
+                continue
+            best = _best(rows, "mfu")
+            base = next((r for r in rows if r["mbs"] == 4 and r.get("variant") == "eager"), None)
+            start = f"mbs 4 eager {100 * base['mfu']:.1f}% -> " if base else ""
+            lines.append(f"- {model} 125m on {world} GPU(s): {start}best {best['name']} **{100 * best['mfu']:.1f}% MFU** "
+                         f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; goal >= 25%)")
+    return lines
+
+
+def report_lines(runs: Rows) -> List[str]:
+    """Everything results.md shows under the run table."""
+    notes = peer_notes(runs) + small_notes(runs)
+    return [*notes, "", *goal_table(runs)] if notes else ["", *goal_table(runs)]
+
