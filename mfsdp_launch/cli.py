@@ -31,6 +31,7 @@ config groups: engine={engines}  model={models}
   data={datasets}  launcher=torchrun|slurm  +recipe=<name>
 main keys: mesh.{dp_outer,dp_shard,cp,tp}  sharding.{zero_dp_strategy,outer_dp_sharding_strategy}
   precision.{compute_dtype,main_params_dtype,main_grads_dtype,grad_comm_dtype}  fp8.recipe
+  model.{preset,activation_checkpointing,loss_kernel,...}  engine.{nccl_ub,...}
   train.{steps,micro_batch_size,grad_accum_steps,seq_len,compile,profile,...}  optim.*  checkpoint.*
   run.{name,dir}  launcher.{nproc_per_node (N|auto),nnodes,node_rank,rdzv_endpoint,dry_run}
 options:
