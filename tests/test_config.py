@@ -137,6 +137,8 @@ REFUSALS = [
     (["train.cuda_graph=sometimes"], "train.cuda_graph"),
     (["train.cuda_graph=full_iteration"], "engine"),
     (["engine=megatron_fsdp", "train.cuda_graph=full_iteration"], "optim.impl"),
+    (["engine=megatron_fsdp", "train.cuda_graph=full_iteration", "optim.impl=te_fused", "model.loss_kernel=te_fused"],
+     "model.loss_kernel"),
     (["optim.lr=0"], "optim.lr"),
     (["optim.impl=te_fused"], "optim.impl"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
