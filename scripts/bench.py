@@ -187,6 +187,16 @@ MATRIX += [
     entry("te8b_opt_all_ga16", "te8b_opt_more", extra=[BF16_GRADS, FUSED_CE, NCCL_UB], **dict(TE8B, ga=16, steps=5)),
     entry("te8b_opt_bf16grads_fusedce", "te8b_opt_more", extra=[BF16_GRADS, FUSED_CE], **TE8B),
 ]
+# gpt 1.4b towards 50 % MFU (issue 16 goal 2), seq 2048: the plain-torch gpt compiled per block
+# with the fused loss, and the same architecture on TE layers (fused RMSNorm, SwiGLU, RoPE, attention),
+# at micro-batch 8 (50 GiB; mbs 4 is the peers' setting, in scripts/bench_peers.py).
+MATRIX += [
+    entry("gpt14_mfsdp_gpt_mbs8_compile_fusedce", "gpt14_opt", extra=["train.compile=true", FUSED_CE],
+          **dict(GPT, mbs=8)),
+    entry("gpt14_mfsdp_te_gpt_mbs8", "gpt14_opt", **dict(GPT, model="te_gpt", mbs=8)),
+    entry("gpt14_mfsdp_te_gpt_mbs8_fusedce_ncclub", "gpt14_opt", extra=[FUSED_CE, NCCL_UB],
+          **dict(GPT, model="te_gpt", mbs=8)),
+]
 # The issue's other "now" rows, re-measured: te_gpt 8b on the hfsdp_fp8 recipe's mesh on one node
 # (dp_outer=2, outer ZeRO-1, seq 4096; FP8 delayed and bf16) and gpt 8b bf16 at seq 4096.
 HFSDP8B = dict(model="te_gpt", preset="8b", seq=4096, mbs=1, steps=8, log_interval=2, timeout=300,

@@ -38,8 +38,8 @@ def _named(runs: Rows, *names: str) -> Optional[dict]:
     return _best([r for r in _ok(runs) if r["name"] in names])
 
 
-def _gpt_1p4b(runs: Rows, **match) -> Optional[dict]:
-    rows = [r for r in _ok(runs) if r.get("model") == "gpt" and r.get("preset") == "1.4b"
+def _gpt_1p4b(runs: Rows, model: str = "gpt", **match) -> Optional[dict]:
+    rows = [r for r in _ok(runs) if r.get("model") == model and r.get("preset") == "1.4b"
             and r.get("precision") == "bf16" and r.get("tp", 1) == 1 and r.get("kind") == "launcher"
             and all(r.get(k) == v for k, v in match.items())]
     return _best(rows, "mfu")
@@ -84,6 +84,8 @@ GOALS: List[Tuple[str, str, Callable[[Rows], str], str]] = [
      lambda runs: _tps(_gpt_1p4b(runs, seq=2048, mbs=4, group=PEERS, engine="megatron_fsdp")),
      "torchtitan 0.3.0 on the same model and GPUs: 38,590; Automodel FSDP2: 32,900 (when the issue was filed)"),
     ("gpt 1.4b bf16, our best settings", "37.7 % MFU", lambda runs: _tps(_gpt_1p4b(runs)), "goal >= 50 % MFU"),
+    ("the same 1.4b on TE layers (te_gpt: fused norm, SwiGLU, RoPE), bf16", "",
+     lambda runs: _tps(_gpt_1p4b(runs, model="te_gpt")), "goal >= 50 % MFU"),
     ("gpt 8b bf16, seq 4096, mbs 1", "7,850 (40.9 % MFU)", lambda runs: _tps(_named(runs, "now_gpt_8b_bf16_s4096")),
      "torchtitan 8B bf16 FSDP, 8x H100, seq 8192: 5,762 (published)"),
     ("125M gpt / te_gpt (recipes as shipped: mbs 4, eager)", "5-14 % MFU", _small, "goal >= 25 % MFU"),
