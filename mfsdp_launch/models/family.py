@@ -8,7 +8,9 @@ from it. Validation, the dry run, the checkpoint manifest and the worker ask the
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
@@ -207,13 +209,21 @@ IGNORE_INDEX = -100  # F.cross_entropy's default, kept by the fused kernel too
 
 def te_fused_lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
     """`lm_loss` through TE's fused cross-entropy (model.loss_kernel=te_fused): one kernel reads the
-    bf16 logits, computes the loss in fp32 and leaves the gradient in place, instead of an fp32 copy
-    of the logits, a log-softmax and its saved output (at a 128k vocabulary, 1.5 MB per token)."""
+    bf16 logits and computes the loss in fp32, instead of an fp32 copy of the logits, a log-softmax
+    and its saved output (at a 128k vocabulary, 1.5 MB per token). Nothing else reads the logits, so
+    backward may write their gradient over them (TE >= 2.20's overwrite_input)."""
     from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy
 
     labels = batch["labels"]
-    per_token = parallel_cross_entropy(_logits(model, batch), labels, reduce_loss=False, ignore_idx=IGNORE_INDEX)
+    in_place = {"overwrite_input": True} if _te_ce_overwrites(parallel_cross_entropy) else {}
+    per_token = parallel_cross_entropy(_logits(model, batch), labels, reduce_loss=False, ignore_idx=IGNORE_INDEX,
+                                       **in_place)
     return per_token.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _te_ce_overwrites(fn: Callable) -> bool:
+    return "overwrite_input" in inspect.signature(fn).parameters
 
 
 def loss_for(kernel) -> Callable:

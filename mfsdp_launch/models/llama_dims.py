@@ -163,8 +163,8 @@ def flops_per_token(d: GPTDims, seq_len: int) -> float:
 # Bytes per logit alive when the loss's backward starts (lm_loss: cross-entropy in fp32): the
 # log-softmax output it saved, the gradient arriving at it and the gradient it returns, each fp32.
 LOSS_BYTES_PER_LOGIT = 12
-# model.loss_kernel=te_fused: the bf16 logits, which the kernel overwrites with their gradient, and
-# at most one bf16 copy when backward scales it.
+# model.loss_kernel=te_fused: the bf16 logits, and their bf16 gradient (TE >= 2.20 writes it over
+# the logits; older TE allocates it, so this bounds both).
 FUSED_LOSS_BYTES_PER_LOGIT = 4
 
 
