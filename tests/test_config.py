@@ -321,3 +321,15 @@ def test_fused_loss_kernel_belongs_to_the_gpt_families_and_needs_cuda(monkeypatc
     with pytest.raises(ConfigError) as exc:
         machine.check_installs(cfg, probe=False)
     assert exc.value.key == "model.loss_kernel"
+
+
+def test_nccl_user_buffers_need_an_nccl_allocator(monkeypatch):
+    from mfsdp_launch.config import machine
+
+    cfg, _ = checked("engine=megatron_fsdp", "model=toy_transformer", "engine.nccl_ub=true")
+    monkeypatch.setattr(machine, "import_problem", lambda module, probe: "not installed" if "nccl_allocator" in module else "")
+    with pytest.raises(ConfigError) as exc:
+        machine.check_installs(cfg, probe=False)
+    assert exc.value.key == "engine.nccl_ub" and "megatron-core" in str(exc.value)
+    monkeypatch.setattr(machine, "import_problem", lambda module, probe: "not installed" if "apex" in module else "")
+    machine.check_installs(cfg, probe=False)  # megatron.core's allocator is enough

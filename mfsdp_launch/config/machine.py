@@ -50,6 +50,12 @@ def check_installs(cfg, probe: bool) -> None:
         problem = import_problem(module, probe)
         if problem:
             raise ConfigError(key, f"{what} needs {module}, which is {problem}; {fix}")
+    if getattr(cfg.engine, "nccl_ub", False) and cfg.engine.name == "megatron_fsdp":
+        # Megatron-FSDP allocates its registered buffers through either package's NCCL allocator.
+        found = [m for m in ("megatron.core.nccl_allocator", "apex.contrib.nccl_allocator") if not import_problem(m, probe)]
+        if not found:
+            raise ConfigError("engine.nccl_ub", "needs megatron.core.nccl_allocator or apex.contrib.nccl_allocator, "
+                              "neither imports; pip install megatron-core", "false")
 
 
 def needs_cuda(cfg) -> str:

@@ -92,8 +92,9 @@ class EngineConfig:
     # Every microbatch all-reduces/reduce-scatters when true; else only the last one does.
     sync_every_microbatch: bool = False
     # Megatron-FSDP only: NCCL user buffers (symmetric registration: all-gather / reduce-scatter on
-    # ~5 SMs instead of ~20, so overlapped GEMMs keep theirs; needs torch >= 2.11). Turns on
-    # fsdp_double_buffer: persistent communication buffers, more memory.
+    # ~5 SMs instead of ~20, so overlapped GEMMs keep theirs; needs torch >= 2.11 and megatron-core
+    # or apex, whose allocator also sets NCCL_NVLS_ENABLE=1). Turns on fsdp_double_buffer:
+    # persistent communication buffers, more memory. Not measured here (docs/performance.md).
     nccl_ub: bool = False
     fsdp_double_buffer: bool = False
 
