@@ -50,9 +50,10 @@ def build_fp8_recipe(fp8_cfg):
             amax_history_len=fp8_cfg.amax_history_len,
             amax_compute_algo=fp8_cfg.amax_compute_algo,
             margin=fp8_cfg.margin,
+            fp8_dpa=bool(fp8_cfg.attention),
         )
     if fp8_cfg.recipe == "current":
-        return te_recipe.Float8CurrentScaling(fp8_format=fmt)
+        return te_recipe.Float8CurrentScaling(fp8_format=fmt, fp8_dpa=bool(fp8_cfg.attention))
     if fp8_cfg.recipe == "blockwise":
         return te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3)
     if fp8_cfg.recipe == "mxfp8":

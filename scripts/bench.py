@@ -174,21 +174,22 @@ MATRIX += [
 ]
 # Second round (te8b_opt), after the profile: the reference again, then one change each and all
 # together. bf16 gradients halve the reduce-scatter bytes (and 8 GiB of gradient buffer; what
-# Megatron-FSDP's guide recommends, --grad-reduce-in-bf16); NCCL user buffers run the all-gather
-# and reduce-scatter on ~5 SMs instead of ~20, so the GEMMs they overlap keep theirs; TE's fused
-# cross-entropy drops the fp32 copy of the 8192 x 128256 logits and its softmax kernels. (NCCL user
-# buffers, engine.nccl_ub, are not measured: Megatron's allocator turns on NVLink multicast, which
-# the GPU machine here must keep off.)
-BF16_GRADS, FUSED_CE = "precision.main_grads_dtype=bf16", "model.loss_kernel=te_fused"
+# Megatron-FSDP's guide recommends, --grad-reduce-in-bf16); TE's fused cross-entropy drops the fp32
+# copy of the 8192 x 128256 logits and its softmax kernels; FP8 attention (fp8.attention) runs the
+# cuDNN attention, ~1/4 of the step at seq 8192, on FP8 inputs. (NCCL user buffers, engine.nccl_ub,
+# are not measured: Megatron's allocator turns on NVLink multicast, which this GPU machine keeps off.)
+BF16_GRADS, FUSED_CE, FP8_ATTN = "precision.main_grads_dtype=bf16", "model.loss_kernel=te_fused", "fp8.attention=true"
+ALL3 = [BF16_GRADS, FUSED_CE, FP8_ATTN]
 MATRIX += [
     entry("te8b_opt_ref", "te8b_opt", **TE8B),
     entry("te8b_opt_bf16grads", "te8b_opt", extra=[BF16_GRADS], **TE8B),
     entry("te8b_opt_fusedce", "te8b_opt", extra=[FUSED_CE], **TE8B),
-    entry("te8b_opt_both", "te8b_opt", extra=[BF16_GRADS, FUSED_CE], **TE8B),
-    entry("te8b_opt_both_ga16", "te8b_opt", extra=[BF16_GRADS, FUSED_CE], **dict(TE8B, ga=16, steps=5)),
-    # With the ~15 GiB those two free, ZeRO-2 fits: the weights stay whole, so no all-gather per
+    entry("te8b_opt_fp8attn", "te8b_opt", extra=[FP8_ATTN], **TE8B),
+    entry("te8b_opt_all3", "te8b_opt", extra=ALL3, **TE8B),
+    # With the ~15 GiB the first two free, ZeRO-2 fits: the weights stay whole, so no all-gather per
     # micro-batch (the bf16 all-gather was 11.7 % of kernel time), one per step after the update.
-    entry("te8b_opt_both_z2", "te8b_opt", zero=2, extra=[BF16_GRADS, FUSED_CE], **TE8B),
+    entry("te8b_opt_all3_z2", "te8b_opt", zero=2, extra=ALL3, **TE8B),
+    entry("te8b_opt_all3_ga16", "te8b_opt", extra=ALL3, **dict(TE8B, ga=16, steps=5)),
 ]
 # gpt 1.4b towards 50 % MFU (issue 16 goal 2), seq 2048: the plain-torch gpt compiled per block
 # with the fused loss, and the same architecture on TE layers (fused RMSNorm, SwiGLU, RoPE, attention),

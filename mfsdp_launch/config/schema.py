@@ -126,6 +126,9 @@ class FP8Config:
     params: bool = False
     # Module-name globs that stay in high precision (first/last layers, the head).
     skip: List[str] = field(default_factory=list)
+    # FP8 dot-product attention (TE's fp8_dpa, beta there): cuDNN runs QK^T, softmax and PV with FP8
+    # inputs. Delayed or current scaling; trades attention accuracy for speed at long sequences.
+    attention: bool = False
 
 
 class ModelLoss(Choice):

@@ -108,7 +108,15 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
             raise ConfigError("fp8.params", "true has no effect with fp8.recipe=none", "false, or an fp8.recipe")
         if f.skip:
             raise ConfigError("fp8.skip", "has no effect with fp8.recipe=none", "[], or an fp8.recipe")
+        if f.attention:
+            raise ConfigError("fp8.attention", "true has no effect with fp8.recipe=none", "false, or fp8.recipe=delayed|current")
         return
+    if f.attention and f.recipe not in (FP8Recipe.delayed, FP8Recipe.current):
+        raise ConfigError("fp8.attention", f"FP8 attention is wired for delayed and current scaling, not '{f.recipe}'",
+                          "false, or fp8.recipe=delayed|current")
+    if f.attention and cfg.mesh.cp > 1:
+        # TE's context-parallel attention has FP8 paths, but none was run here
+        raise ConfigError("fp8.attention", "with mesh.cp > 1 is not tested here", "false, or mesh.cp=1")
     if f.skip and f.params:
         raise ConfigError("fp8.skip", "modules built with FP8 weights cannot run in high precision",
                           "[] with fp8.params=true, or fp8.params=false")

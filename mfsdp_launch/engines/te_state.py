@@ -56,6 +56,7 @@ def te_extra_state(module: torch.nn.Module) -> Dict[str, bytes]:
                 "margin": int(getattr(recipe, "margin", 0)),
                 "amax_compute_algo": algo if isinstance(algo, str) else "max",
                 "amax_history_len": int(fwd.amax_history.shape[0]),
+                "fp8_dpa": bool(getattr(recipe, "fp8_dpa", False)),
             }
             buf = io.BytesIO()
             torch.save(blob, buf)
@@ -82,7 +83,8 @@ def load_te_extra_state(module: torch.nn.Module, state: Dict[str, Any]) -> int:
             if recipe is None or not recipe.delayed():
                 recipe = DelayedScaling(fp8_format=Format[blob["fp8_format"]], margin=blob["margin"],
                                         amax_history_len=blob["amax_history_len"],
-                                        amax_compute_algo=blob["amax_compute_algo"])
+                                        amax_compute_algo=blob["amax_compute_algo"],
+                                        fp8_dpa=bool(blob.get("fp8_dpa", False)))
             meta["recipe"] = recipe
             meta["num_gemms"] = blob["num_gemms"]
             m.init_fp8_meta_tensors(recipe)
