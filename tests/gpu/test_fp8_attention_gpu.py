@@ -23,7 +23,8 @@ def _train(attention: bool):
     from mfsdp_launch.precision import build_fp8_recipe, fp8_autocast
 
     torch.manual_seed(0)
-    dims = GPTDims(dim=512, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=1536, vocab_size=1024,
+    # head_dim 128 and grouped queries, as in the 8b
+    dims = GPTDims(dim=1024, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=2048, vocab_size=1024,
                    tie_embeddings=False, norm_eps=1e-5, rope_theta=10000.0)
     model = TEGPT(dims, params_dtype=torch.bfloat16).cuda()
     model.init_weights()
