@@ -25,7 +25,11 @@ def _tps(r: Optional[dict]) -> str:
     if not r:
         return "not measured"
     mfu = f", {100 * r['mfu']:.1f} % MFU" if r.get("mfu") is not None else ""
-    return f"{r['tokens_per_s_per_gpu']:,.0f}{mfu} (`{r['name']}`)"
+    changes = [x for x in r.get("extra", []) if not x.startswith("train.profile")]  # what differs from "now"
+    if r.get("zero", 3) != 3:
+        changes.append(f"sharding.zero_dp_strategy={r['zero']}")
+    how = f": {', '.join(f'`{c}`' for c in changes)}" if changes else ""
+    return f"{r['tokens_per_s_per_gpu']:,.0f}{mfu} (`{r['name']}`{how})"
 
 
 def _te8b(runs: Rows, ga_min: int) -> Optional[dict]:
