@@ -200,6 +200,9 @@ MATRIX += [
     entry("gpt14_mfsdp_te_gpt_mbs8", "gpt14_opt", **dict(GPT, model="te_gpt", mbs=8)),
     entry("gpt14_mfsdp_te_gpt_mbs8_fusedce", "gpt14_opt", extra=[FUSED_CE],
           **dict(GPT, model="te_gpt", mbs=8)),
+    # TE's multi-tensor FusedAdam, and 4 micro-batches per step to spread the optimizer and the clip
+    entry("gpt14_mfsdp_te_gpt_mbs8_fusedce_fusedadam_ga4", "gpt14_opt", extra=[FUSED_CE, "optim.impl=te_fused"],
+          **dict(GPT, model="te_gpt", mbs=8, ga=4)),
 ]
 # The other "now" rows, re-measured: te_gpt 8b on the hfsdp_fp8 recipe's mesh on one node
 # (dp_outer=2, outer ZeRO-1, seq 4096; FP8 delayed and bf16) and gpt 8b bf16 at seq 4096.
