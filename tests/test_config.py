@@ -212,6 +212,7 @@ def test_megatron_only_switches_warn_under_fsdp2():
     assert warnings == ["engine.nccl_ub does nothing with engine=fsdp2"]
     _, warnings = checked("engine=megatron_fsdp", "model=toy_transformer", "engine.nccl_ub=true")
     assert not any("does nothing" in w for w in warnings)
+    assert any("NCCL_NVLS_ENABLE=1" in w for w in warnings)
 
 
 def test_cross_node_warning_in_validation():

@@ -273,8 +273,12 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
         raise ConfigError("optim.impl", f"te_fused (TE FusedAdam) is not wired for engine={caps.name}", "torch")
     if t.cuda_graph == CudaGraphMode.full_iteration:
         _check_cuda_graph(cfg, caps)
-    return [f"engine.{key} does nothing with engine={caps.name}" for key in foreign_engine_keys(caps)
-            if getattr(cfg.engine, key)]
+    warnings = [f"engine.{key} does nothing with engine={caps.name}" for key in foreign_engine_keys(caps)
+                if getattr(cfg.engine, key)]
+    if cfg.engine.nccl_ub and "nccl_ub" in caps.own_keys:
+        warnings.append("engine.nccl_ub: Megatron's NCCL allocator sets NCCL_NVLS_ENABLE=1 (NVLink multicast) in "
+                        "every rank; on a host whose GPUs others share, keep it off")
+    return warnings
 
 
 def _check_cuda_graph(cfg, caps: EngineCaps) -> None:
