@@ -191,6 +191,15 @@ MATRIX += [
     entry("te8b_opt_all3_z2", "te8b_opt", zero=2, extra=ALL3, **TE8B),
     entry("te8b_opt_all3_ga16", "te8b_opt", extra=ALL3, **dict(TE8B, ga=16, steps=5)),
 ]
+# The same changes on one GPU (no communication): the 8b's layer at seq 8192, 8 of its 32 layers, so
+# the attention / GEMM / loss mix per token is the 8b's while the model fits one H200.
+TE8B_L8 = dict(TE8B, n_layers=8)
+MATRIX += [
+    entry("te8bl8_ref", "te8b_l8", **TE8B_L8),
+    entry("te8bl8_fusedce", "te8b_l8", extra=[FUSED_CE], **TE8B_L8),
+    entry("te8bl8_fp8attn", "te8b_l8", extra=[FP8_ATTN], **TE8B_L8),
+    entry("te8bl8_all3", "te8b_l8", extra=ALL3, **TE8B_L8),
+]
 # gpt 1.4b towards 50 % MFU (issue 16 goal 2), seq 2048: the plain-torch gpt compiled per block
 # with the fused loss, and the same architecture on TE layers (fused RMSNorm, SwiGLU, RoPE, attention),
 # at micro-batch 8 (50 GiB; mbs 4 is the peers' setting, in scripts/bench_peers.py).

@@ -35,6 +35,7 @@ def _tps(r: Optional[dict]) -> str:
 def _te8b(runs: Rows, ga_min: int) -> Optional[dict]:
     return _best([r for r in _ok(runs) if r.get("model") == "te_gpt" and r.get("preset") == "8b"
                   and r.get("seq") == 8192 and r.get("tp", 1) == 1 and r.get("cp", 1) == 1
+                  and not r.get("n_layers") and r.get("world", 2) == 2 and not r.get("outer")
                   and (r.get("ga", 1) >= ga_min if ga_min > 1 else r.get("ga", 1) == 1)])
 
 

@@ -20,6 +20,7 @@ def test_after_is_the_best_comparable_row():
         _row("a_ga8", 13800, ga=8, **te8b),
         _row("b_ga16", 14100, ga=16, **te8b),
         _row("c_tp2", 16000, ga=8, tp=2, **te8b),  # another layout: not the workload
+        _row("c_l8_1gpu", 30000, ga=8, n_layers=8, world=1, **te8b),  # a slice of the model on one GPU
         _row("d_ga1", 12700, **te8b),
         _row("e_failed", 20000, ga=8, **dict(te8b, ok=False)),
     ]}
