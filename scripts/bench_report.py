@@ -46,6 +46,7 @@ def _named(runs: Rows, *names: str) -> Optional[dict]:
 def _gpt_1p4b(runs: Rows, model: str = "gpt", **match) -> Optional[dict]:
     rows = [r for r in _ok(runs) if r.get("model") == model and r.get("preset") == "1.4b"
             and r.get("precision") == "bf16" and r.get("tp", 1) == 1 and r.get("kind") == "launcher"
+            and r.get("world", 2) == 2
             and all(r.get(k) == v for k, v in match.items())]
     return _best(rows, "mfu")
 
