@@ -141,8 +141,21 @@ def small_notes(runs: Rows) -> List[str]:
     return lines
 
 
+def change_notes(runs: Rows, prefix: str, label: str) -> List[str]:
+    """Each `<prefix>_*` row against `<prefix>_ref`, measured in the same call."""
+    ref = _named(runs, f"{prefix}_ref")
+    rows = sorted((r for r in _ok(runs) if r["name"].startswith(prefix + "_") and r is not ref), key=lambda r: r["name"])
+    if not ref or not rows:
+        return []
+    each = ", ".join(f"{r['name'][len(prefix) + 1:]} {r['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.3f}x "
+                     f"({r['peak_mem_gib']:.1f} GiB)" for r in rows)
+    return [f"- {label}: ref {ref['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU ({ref['peak_mem_gib']:.1f} GiB); {each}"]
+
+
 def report_lines(runs: Rows) -> List[str]:
     """Everything results.md shows under the run table."""
-    notes = peer_notes(runs) + small_notes(runs)
+    notes = (peer_notes(runs) + small_notes(runs)
+             + change_notes(runs, "te8bl8", "te_gpt 8b's layer x 8, FP8 delayed, seq 8192, grad_accum 8, one GPU")
+             + change_notes(runs, "te8b_opt", "te_gpt 8b FP8 delayed, seq 8192, grad_accum 8, 2 GPUs"))
     return [*notes, "", *goal_table(runs)] if notes else ["", *goal_table(runs)]
 
