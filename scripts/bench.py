@@ -199,6 +199,8 @@ MATRIX += [
     entry("te8bl8_fusedce", "te8b_l8", extra=[FUSED_CE], **TE8B_L8),
     entry("te8bl8_fp8attn", "te8b_l8", extra=[FP8_ATTN], **TE8B_L8),
     entry("te8bl8_all3", "te8b_l8", extra=ALL3, **TE8B_L8),
+    # where the rest of the time goes with all three (last step profiled: bench/top_ops_<name>.txt)
+    entry("te8bl8_all3_profile", "te8b_l8_profile", extra=[*ALL3, "train.profile={start: 6, steps: 1}"], **TE8B_L8),
 ]
 # gpt 1.4b towards 50 % MFU (issue 16 goal 2), seq 2048: the plain-torch gpt compiled per block
 # with the fused loss, and the same architecture on TE layers (fused RMSNorm, SwiGLU, RoPE, attention),
@@ -206,6 +208,9 @@ MATRIX += [
 MATRIX += [
     entry("gpt14_mfsdp_gpt_mbs8_compile_fusedce", "gpt14_opt", extra=["train.compile=true", FUSED_CE],
           **dict(GPT, mbs=8)),
+    # its kernels (one GPU: the compute alone, without FSDP's communication)
+    entry("gpt14_mfsdp_gpt_mbs8_compile_fusedce_profile", "gpt14_profile",
+          extra=["train.compile=true", FUSED_CE, "train.profile={start: 10, steps: 1}"], steps=12, **dict(GPT, mbs=8)),
     entry("gpt14_mfsdp_te_gpt_mbs8", "gpt14_opt", **dict(GPT, model="te_gpt", mbs=8)),
     entry("gpt14_mfsdp_te_gpt_mbs8_fusedce", "gpt14_opt", extra=[FUSED_CE],
           **dict(GPT, model="te_gpt", mbs=8)),
