@@ -144,7 +144,8 @@ def small_notes(runs: Rows) -> List[str]:
 def change_notes(runs: Rows, prefix: str, label: str) -> List[str]:
     """Each `<prefix>_*` row against `<prefix>_ref`, measured in the same call."""
     ref = _named(runs, f"{prefix}_ref")
-    rows = sorted((r for r in _ok(runs) if r["name"].startswith(prefix + "_") and r is not ref), key=lambda r: r["name"])
+    rows = sorted((r for r in _ok(runs) if r["name"].startswith(prefix + "_") and r is not ref
+                   and not r["name"].endswith("_profile")), key=lambda r: r["name"])  # (profiled: slower)
     if not ref or not rows:
         return []
     each = ", ".join(f"{r['name'][len(prefix) + 1:]} {r['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.3f}x "
