@@ -111,10 +111,13 @@ def _fsdp2_tp_reserve(n: float, grad_b: int, zero: ZeroStrategy, dims: ParallelD
     over 2.8 GiB of gradients, 8b: +24.4 over 16.9), where tp=1 runs stay within 3-9 %. The
     gradients are born during backward while the activations die, and under TP the freed blocks
     do not serve them. Not profiled further; two points, so a fit, not a law."""
-    if tp <= 1:
-        return 0.0
-    shards = 1 if zero is ZeroStrategy.no_shard else dims.shard_size
-    return n * grad_b / shards
+    return n * grad_b / _fsdp2_shards(zero, dims) if tp > 1 else 0.0
+
+
+def _fsdp2_shards(zero: ZeroStrategy, dims: ParallelDims) -> int:
+    """Ranks FSDP2 shards the state over: dp_shard (x cp); ZeRO 0 replicates (dp_outer > 1: HSDP,
+    replicated over it)."""
+    return 1 if zero is ZeroStrategy.no_shard else dims.shard_size
 
 
 def _as_fsdp2(est: MemoryEstimate, n: float, unit: float, weight_b: int, main_b: int, grad_b: int,
@@ -122,7 +125,7 @@ def _as_fsdp2(est: MemoryEstimate, n: float, unit: float, weight_b: int, main_b:
     """FSDP2 (engines/fsdp2.py): the sharded parameters are the main weights (one copy); ZeRO 2-3
     shard everything over dp_shard (x cp), ZeRO 0 replicates; below ZeRO-3 the compute-dtype copy of
     every unit stays gathered from forward to backward; gradients are freed at zero_grad."""
-    shards = 1 if zero is ZeroStrategy.no_shard else dims.shard_size  # dp_outer > 1: HSDP, replicated over it
+    shards = _fsdp2_shards(zero, dims)
     if main_b:
         est.params, est.main_params = 0.0, n * main_b / shards
     else:

@@ -51,12 +51,6 @@ def _gpt_1p4b(runs: Rows, model: str = "gpt", **match) -> Optional[dict]:
     return _best(rows, "mfu")
 
 
-def _peer(runs: Rows, prefix: str) -> Optional[dict]:
-    """The peer's latest row of the peers group (tokens/s/GPU of that call)."""
-    rows = [r for r in _ok(runs) if r.get("group") == PEERS and r["name"].startswith(prefix)]
-    return max(rows, key=lambda r: r.get("measured_at", "")) if rows else None
-
-
 def _fp8_gain(runs: Rows) -> str:
     bf16 = _named(runs, "mfsdp_te_gpt_2b_bf16_mbs4")
     fp8 = _best([r for r in _ok(runs) if r["name"].startswith("mfsdp_te_gpt_2b_") and r["name"].endswith("_mbs4")
@@ -66,14 +60,17 @@ def _fp8_gain(runs: Rows) -> str:
     return f"{fp8['tokens_per_s_per_gpu'] / bf16['tokens_per_s_per_gpu']:.2f}x (`{fp8['name']}` / `{bf16['name']}`)"
 
 
+def _small_groups(runs: Rows) -> Dict[Tuple[str, int], List[dict]]:
+    """The small-model group's rows with an MFU, by (model, GPUs), in the order the notes list them."""
+    ok = [r for r in _ok(runs) if r.get("group") == SMALL and r.get("mfu") is not None]
+    groups = {(model, world): [r for r in ok if r["model"] == model and r["world"] == world]
+              for model in ("gpt", "te_gpt") for world in (1, 2)}
+    return {k: rows for k, rows in groups.items() if rows}
+
+
 def _small(runs: Rows) -> str:
-    rows = [r for r in _ok(runs) if r.get("group") == SMALL and r.get("mfu") is not None]
-    parts = []
-    for model in ("gpt", "te_gpt"):
-        for world in (1, 2):
-            b = _best([r for r in rows if r["model"] == model and r["world"] == world], "mfu")
-            if b:
-                parts.append(f"{model} {world} GPU: {100 * b['mfu']:.1f} %")
+    parts = [f"{model} {world} GPU: {100 * _best(rows, 'mfu')['mfu']:.1f} %"
+             for (model, world), rows in _small_groups(runs).items()]
     return ", ".join(parts) + " MFU (`scripts/bench_small.py`)" if parts else "not measured"
 
 
@@ -126,18 +123,13 @@ def peer_notes(runs: Rows) -> List[str]:
 
 def small_notes(runs: Rows) -> List[str]:
     """Per model and GPU count: the shipped recipe's setting (mbs 4, eager) and the best row's MFU."""
-    ok = [r for r in _ok(runs) if r.get("group") == SMALL and r.get("mfu") is not None]
     lines = []
-    for model in ("gpt", "te_gpt"):
-        for world in (1, 2):
-            rows = [r for r in ok if r["model"] == model and r["world"] == world]
-            if not rows:
-                continue
-            best = _best(rows, "mfu")
-            base = next((r for r in rows if r["mbs"] == 4 and r.get("variant") == "eager"), None)
-            start = f"mbs 4 eager {100 * base['mfu']:.1f}% -> " if base else ""
-            lines.append(f"- {model} 125m on {world} GPU(s): {start}best {best['name']} **{100 * best['mfu']:.1f}% MFU** "
-                         f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; goal >= 25%)")
+    for (model, world), rows in _small_groups(runs).items():
+        best = _best(rows, "mfu")
+        base = next((r for r in rows if r["mbs"] == 4 and r.get("variant") == "eager"), None)
+        start = f"mbs 4 eager {100 * base['mfu']:.1f}% -> " if base else ""
+        lines.append(f"- {model} 125m on {world} GPU(s): {start}best {best['name']} **{100 * best['mfu']:.1f}% MFU** "
+                     f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; goal >= 25%)")
     return lines
 
 

@@ -41,7 +41,7 @@ def check_installs(cfg, probe: bool) -> None:
     te_users = [("model", f"model={cfg.model.name}", family(cfg.model.name).has_te_layers),
                 ("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}", cfg.fp8.recipe != FP8Recipe.none),
                 ("optim.impl", "optim.impl=te_fused", cfg.optim.impl == OptimImpl.te_fused),
-                ("model.loss_kernel", "model.loss_kernel=te_fused", _fused_loss(cfg))]
+                ("model.loss_kernel", "model.loss_kernel=te_fused", uses_fused_loss(cfg))]
     for key, what, used in te_users:
         if used:
             wanted.append((key, what, "transformer_engine.pytorch", "pip install 'mfsdp-launch[te]'"))
@@ -64,15 +64,16 @@ def needs_cuda(cfg) -> str:
         return f"engine={cfg.engine.name} runs on CUDA + NCCL only"
     if family(cfg.model.name).has_te_layers:
         return f"model={cfg.model.name} (Transformer Engine) needs CUDA"
-    if _fused_loss(cfg):
+    if uses_fused_loss(cfg):
         return "model.loss_kernel=te_fused (a Triton kernel) needs CUDA"
     if cfg.engine.backend == Backend.nccl:
         return "engine.backend=nccl needs CUDA"
     return ""
 
 
-def _fused_loss(cfg) -> bool:
-    return getattr(cfg.model, "loss_kernel", LossKernel.torch) == LossKernel.te_fused
+def uses_fused_loss(cfg) -> bool:
+    """model.loss_kernel=te_fused: TE's Triton cross-entropy (TE, CUDA, no CUDA-graph capture)."""
+    return cfg.model.loss_kernel == LossKernel.te_fused
 
 
 def check_gpus(cfg) -> None:

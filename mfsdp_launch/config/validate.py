@@ -291,7 +291,7 @@ def _check_cuda_graph(cfg, caps: EngineCaps) -> None:
         (cfg.sharding.zero_dp_strategy == ZeroStrategy.optim_grads_params, "sharding.zero_dp_strategy",
          "optim_grads_params"),
         # TE's fused loss was not captured in a graph here (its is_cg_capturable path is untested)
-        (getattr(cfg.model, "loss_kernel", "torch") != "te_fused", "model.loss_kernel", "torch"),
+        (not machine.uses_fused_loss(cfg), "model.loss_kernel", "torch"),
     ]
     for ok, key, allowed in rules:
         if not ok:

@@ -188,7 +188,6 @@ class GPT(nn.Module):
         tables = self.layers[0].attn.rope_tables(input_ids.shape[1], x.device) if len(self.layers) else None
         for layer in self.layers:
             layer.attn.rope = tables  # every layer shares the positions (and the cp layout)
-        for layer in self.layers:
             x = layer(x) if mask is None else layer(x, mask)
         x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
