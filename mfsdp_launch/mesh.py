@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from .errors import ConfigError
+from .core.errors import ConfigError
 
 DIMS = ("dp_outer", "dp_shard", "cp", "tp")
 # Flattened dims, as the engine expects them (names are ours; Megatron-FSDP takes any names).

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 def cli_env() -> dict:
     """The environment of a user's shell running this checkout's CLI."""
-    # A user's shell is not inside a job: drop any rank/rendezvous variables the test process has.
+    # A user's shell is not inside a job: drop any rank/entry.pyrendezvous variables the test process has.
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and not k.startswith("SLURM_")
            and not k.startswith("TORCHELASTIC_")}
     env.setdefault("MFSDP_CACHE_DIR", str(ROOT / ".pytest_cache" / "tokens"))

@@ -1,4 +1,4 @@
-"""Activation checkpointing (models/checkpointing.py): it really drops saved activations, changes
+"""Activation checkpointing (models/activation_checkpoint.py): it really drops saved activations, changes
 neither the module tree nor the numbers, and trains the same losses through the CLI under FSDP2."""
 
 import json
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import cli
-from mfsdp_launch.config.schema import ACMode, ModelConfig
+from mfsdp_launch.core.schema import ACMode, ModelConfig
 from mfsdp_launch.models import build_model_spec, family
-from mfsdp_launch.models.checkpointing import apply_activation_checkpointing, checkpointed_blocks
+from mfsdp_launch.models.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 
 
 def _gpt(**kw):

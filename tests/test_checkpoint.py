@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from mfsdp_launch import checkpoint as C
-from mfsdp_launch.errors import ConfigError
-from mfsdp_launch.config.schema import CheckpointConfig, Config
+from mfsdp_launch.core.errors import ConfigError
+from mfsdp_launch.core.schema import CheckpointConfig, Config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -330,7 +330,7 @@ def test_preflight_does_not_import_torch(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         from omegaconf import OmegaConf
-        from mfsdp_launch.config.schema import Config
+        from mfsdp_launch.core.schema import Config
         from mfsdp_launch import checkpoint
         cfg = OmegaConf.structured(Config)
         cfg.run.dir = {str(tmp_path)!r}
@@ -345,7 +345,7 @@ def test_preflight_does_not_import_torch(tmp_path):
 
 
 def test_fallback_seed_is_distinct_per_rank_step_and_seed():
-    from mfsdp_launch.rng import fallback_seed
+    from mfsdp_launch.components.rng import fallback_seed
 
     assert fallback_seed(1234, 3, 100) != fallback_seed(1234, 3, 101)
     assert fallback_seed(1234, 3, 100) != fallback_seed(1235, 3, 100)
@@ -380,8 +380,8 @@ def test_scheduler_resume_keeps_a_device_lr_tensor_in_place():
     the schedule fills that tensor rather than replacing it with a float."""
     import torch
 
-    from mfsdp_launch.config.schema import OptimConfig
-    from mfsdp_launch.optim import build_scheduler, load_schedule
+    from mfsdp_launch.core.schema import OptimConfig
+    from mfsdp_launch.components.optim import build_scheduler, load_schedule
 
     def optimizer_with_tensor_lr():
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)

@@ -109,8 +109,8 @@ def _build(world: int, seed: int):
 
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
     from mfsdp_launch.mesh import ParallelDims
-    from mfsdp_launch.config.schema import EngineConfig, PrecisionConfig, ShardingConfig
-    from mfsdp_launch.config.sharding import ZeroStrategy
+    from mfsdp_launch.core.schema import EngineConfig, PrecisionConfig, ShardingConfig
+    from mfsdp_launch.core.sharding import ZeroStrategy
 
     dims = ParallelDims(1, world, 1, 1)
     mesh = dims.build("cpu")
@@ -136,7 +136,7 @@ def _manager(run_dir: Path, world: int, rank: int, engine, **ck):
     import torch.distributed as dist
 
     from mfsdp_launch.checkpoint import CheckpointManager
-    from mfsdp_launch.config.schema import CheckpointConfig
+    from mfsdp_launch.core.schema import CheckpointConfig
 
     return CheckpointManager(CheckpointConfig(**ck), run_dir, manifest_info=_info(world), rank=rank,
                              world_size=world, engine=engine, process_group=dist.new_group(backend="gloo"))
@@ -282,7 +282,7 @@ def scenario_grow(rank: int, world: int, workdir: Path):
     """1 -> 2 ranks: resharded state identical; rank 1 has no saved RNG state and seeds itself."""
     import torch
 
-    from mfsdp_launch.rng import fallback_seed
+    from mfsdp_launch.components.rng import fallback_seed
 
     engine, model, opt, sched, ts = _build(world, seed=11)
     mgr = _manager(workdir / "run1", world, rank, engine, interval=0)
@@ -388,7 +388,7 @@ if __name__ != "__main__":
     def test_export_matches_unwrapped_state_dict(main_run, tmp_path, capsys):
         import torch
 
-        from mfsdp_launch.export import main as export_main
+        from mfsdp_launch.tools.export import main as export_main
 
         load_file = pytest.importorskip("safetensors.torch").load_file
 
@@ -413,7 +413,7 @@ if __name__ != "__main__":
         from types import SimpleNamespace
 
         from mfsdp_launch.checkpoint import saved_model_keys
-        from mfsdp_launch.errors import ConfigError
+        from mfsdp_launch.core.errors import ConfigError
 
         md = SimpleNamespace(state_dict_metadata=dict.fromkeys(
             ["model.module.w", "model._orig_mod.b", "optimizer.state.module.w"]))
@@ -457,7 +457,7 @@ if __name__ != "__main__":
 
         from mfsdp_launch.checkpoint import CheckpointError, CheckpointManager, committed_steps
         from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-        from mfsdp_launch.config.schema import CheckpointConfig
+        from mfsdp_launch.core.schema import CheckpointConfig
 
         model = _tiny_mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -490,7 +490,7 @@ if __name__ != "__main__":
 
         from mfsdp_launch.checkpoint import CheckpointManager
         from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-        from mfsdp_launch.config.schema import CheckpointConfig
+        from mfsdp_launch.core.schema import CheckpointConfig
 
         model = _tiny_mlp()
         if wrap:  # another engine's naming: every key gets a "module." prefix

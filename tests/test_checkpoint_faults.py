@@ -16,7 +16,7 @@ import pytest
 
 from conftest import cli
 from mfsdp_launch import checkpoint as C
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.core.errors import ConfigError
 
 SMOKE = ["+recipe=cpu_smoke", "train.log_interval=1", "train.progress=false", "train.seq_len=64",
          "data.max_bytes=2000000"]
@@ -95,8 +95,8 @@ def _tiny(run_dir, **ck):
     import torch.nn as nn
 
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.loop import TrainState
-    from mfsdp_launch.config.schema import CheckpointConfig
+    from mfsdp_launch.rank.loop import TrainState
+    from mfsdp_launch.core.schema import CheckpointConfig
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))

@@ -54,7 +54,8 @@ def test_cfg_prints_and_exits_without_training(tmp_path):
 
 
 def test_version_and_help_list_the_exit_codes():
-    from mfsdp_launch import __version__, exit_codes
+    from mfsdp_launch import __version__
+    from mfsdp_launch.core import exit_codes
 
     out = cli("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"mfsdp-launch {__version__}" and not out.stderr
@@ -109,7 +110,7 @@ def test_help_and_dry_run_do_not_import_torch():
     import subprocess
     import sys
 
-    probe = ("import sys; from mfsdp_launch.cli import main; "
+    probe = ("import sys; from mfsdp_launch.launcher.cli import main; "
              "rc = main(sys.argv[1:]); assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     for args in (["--help"], ["+recipe=hfsdp_fp8", "launcher.dry_run=true", "launcher.nproc_per_node=8"]):
         out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=ROOT)

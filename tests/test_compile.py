@@ -4,15 +4,15 @@ and a compiled run trains to the eager run's losses."""
 import pytest
 
 from conftest import cli
-from mfsdp_launch.runstate import read_metrics
+from mfsdp_launch.launcher.runstate import read_metrics
 
 torch = pytest.importorskip("torch")
 
 
 def test_blocks_are_compiled_in_place_and_blockless_models_whole():
-    from mfsdp_launch.models.compiling import compile_model
-    from mfsdp_launch.models.gpt_modules import GPT, Block
-    from mfsdp_launch.models.llama_dims import GPTDims
+    from mfsdp_launch.models.compile import compile_model
+    from mfsdp_launch.models.llama.gpt_modules import GPT, Block
+    from mfsdp_launch.models.llama.dims import GPTDims
 
     model = GPT(GPTDims(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=64, vocab_size=64,
                         tie_embeddings=False, norm_eps=1e-5, rope_theta=1e4))

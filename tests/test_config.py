@@ -2,9 +2,9 @@
 
 import pytest
 
-from mfsdp_launch.config import prepare
-from mfsdp_launch.config.compose import compose, config_dir
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.planner import prepare
+from mfsdp_launch.planner.compose import compose, config_dir
+from mfsdp_launch.core.errors import ConfigError
 
 RECIPES = ["cpu_smoke", "fsdp_bf16", "hsdp_bf16", "hfsdp_bf16", "hfsdp_fp8"]
 
@@ -186,19 +186,19 @@ def test_full_iteration_cuda_graph_accepts_the_seed_setup():
 
 
 def test_megatron_fsdp_needs_a_gpu_when_not_a_dry_run(monkeypatch):
-    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 0)
+    monkeypatch.setattr("mfsdp_launch.planner.machine.local_gpu_count", lambda: 0)
     err = refused("engine=megatron_fsdp", hardware=True)
     assert err.key == "engine" and "CUDA" in str(err)
 
 
 def test_too_many_processes_for_the_gpus(monkeypatch):
-    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 2)
+    monkeypatch.setattr("mfsdp_launch.planner.machine.local_gpu_count", lambda: 2)
     err = refused("engine=megatron_fsdp", "launcher.nproc_per_node=4", hardware=True)
     assert err.key == "launcher.nproc_per_node"
 
 
 def test_fsdp2_runs_on_cpu_with_gloo(monkeypatch):
-    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 0)
+    monkeypatch.setattr("mfsdp_launch.planner.machine.local_gpu_count", lambda: 0)
     checked("+recipe=cpu_smoke", hardware=True)
 
 
@@ -221,7 +221,7 @@ def test_cross_node_warning_in_validation():
 
 
 def test_missing_te_is_a_warning_in_dry_run_and_an_error_otherwise(monkeypatch):
-    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 8)
+    monkeypatch.setattr("mfsdp_launch.planner.machine.local_gpu_count", lambda: 8)
     import importlib.util
 
     if importlib.util.find_spec("transformer_engine") is not None:
@@ -239,7 +239,7 @@ def test_broken_engine_install_is_one_line(monkeypatch, tmp_path):
     (pkg / "__init__.py").write_text("raise RuntimeError('libtransformer_engine.so: cannot open shared object')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(__import__("sys").modules, "megatron_fsdp", raising=False)
-    monkeypatch.setattr("mfsdp_launch.config.machine.local_gpu_count", lambda: 2)
+    monkeypatch.setattr("mfsdp_launch.planner.machine.local_gpu_count", lambda: 2)
     err = refused("engine=megatron_fsdp", hardware=True)
     assert err.key == "engine" and "installed but broken (RuntimeError: libtransformer_engine.so" in str(err)
     assert "\n" not in str(err)
@@ -302,12 +302,12 @@ def test_the_config_layer_and_the_cli_never_import_torch():
     from conftest import ROOT
 
     code = ("import sys, importlib, pkgutil\n"
-            "import mfsdp_launch.config as c, mfsdp_launch.models as m\n"
-            "for info in pkgutil.iter_modules(c.__path__): importlib.import_module('mfsdp_launch.config.' + info.name)\n"
-            "import mfsdp_launch.cli, mfsdp_launch.launch, mfsdp_launch.engines, mfsdp_launch.mesh, mfsdp_launch.memory\n"
-            "from mfsdp_launch.config import prepare\n"
+            "import mfsdp_launch.planner as c, mfsdp_launch.models as m\n"
+            "for info in pkgutil.iter_modules(c.__path__): importlib.import_module('mfsdp_launch.planner.' + info.name)\n"
+            "import mfsdp_launch.launcher.cli, mfsdp_launch.launcher.launch, mfsdp_launch.engines, mfsdp_launch.mesh, mfsdp_launch.planner.memory\n"
+            "from mfsdp_launch.planner import prepare\n"
             "cfg, _ = prepare(['+recipe=hfsdp_fp8', 'launcher.nproc_per_node=8'], check_hardware=False)\n"
-            "from mfsdp_launch.memory import estimate\n"
+            "from mfsdp_launch.planner.memory import estimate\n"
             "from mfsdp_launch.mesh import ParallelDims\n"
             "estimate(cfg, ParallelDims(2, 4, 1, 1))\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
@@ -318,7 +318,7 @@ def test_the_config_layer_and_the_cli_never_import_torch():
 def test_fused_loss_kernel_belongs_to_the_gpt_families_and_needs_cuda(monkeypatch):
     err = refused("model=toy_transformer", "engine=fsdp2", "model.loss_kernel=te_fused")
     assert err.key == "model.loss_kernel" and "model=gpt|te_gpt" in str(err)
-    from mfsdp_launch.config import machine
+    from mfsdp_launch.planner import machine
 
     cfg, _ = checked("model=gpt", "model.loss_kernel=te_fused")
     assert "Triton" in machine.needs_cuda(cfg)
@@ -329,7 +329,7 @@ def test_fused_loss_kernel_belongs_to_the_gpt_families_and_needs_cuda(monkeypatc
 
 
 def test_nccl_user_buffers_need_an_nccl_allocator(monkeypatch):
-    from mfsdp_launch.config import machine
+    from mfsdp_launch.planner import machine
 
     cfg, _ = checked("engine=megatron_fsdp", "model=toy_transformer", "engine.nccl_ub=true")
     monkeypatch.setattr(machine, "import_problem", lambda module, probe: "not installed" if "nccl_allocator" in module else "")

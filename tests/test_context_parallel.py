@@ -1,4 +1,4 @@
-"""Context parallelism for `gpt` (models/context_parallel.py) on gloo: the attention op against
+"""Context parallelism for `gpt` (models/llama/context_parallel.py) on gloo: the attention op against
 whole-sequence attention in real processes (values and gradients), RoPE at global positions, the
 validation rules, and the CLI: cp=2 reproduces cp=1's losses, and a checkpoint saved at cp=2
 resumes at cp=1 with the uninterrupted run's next losses."""
@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from conftest import cli, free_port
-from mfsdp_launch.config import prepare
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.planner import prepare
+from mfsdp_launch.core.errors import ConfigError
 from mfsdp_launch.models import cp_layout
-from mfsdp_launch.models.gpt_modules import rope_cos_sin
-from mfsdp_launch.runstate import read_metrics
+from mfsdp_launch.models.llama.gpt_modules import rope_cos_sin
+from mfsdp_launch.launcher.runstate import read_metrics
 
 # ---------------------------------------------------------------------------- the attention op
 
@@ -36,7 +36,7 @@ def _reference(seed: int):
 
 
 def _attention_worker(rank: int, cp: int, port: int, out_dir: str) -> None:
-    from mfsdp_launch.models.context_parallel import ContextParallel
+    from mfsdp_launch.models.llama.context_parallel import ContextParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=cp)

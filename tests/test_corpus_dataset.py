@@ -11,7 +11,7 @@ import pytest
 from mfsdp_launch.corpus import TokenDataset, check_sources, doc_ids_from_eos
 from mfsdp_launch.corpus import shards
 from mfsdp_launch.data import microbatch_start
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.core.errors import ConfigError
 
 EOS = 0
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mfsdp_launch.corpus.doc_mask import (block_causal_mask, cu_seqlens, doc_ids_from_boundaries,
-                                          doc_ids_from_eos, flex_block_mask, position_ids)
+from mfsdp_launch.corpus.doc_mask import (block_causal_mask, cu_seqlens, doc_ids_from_boundaries, doc_ids_from_eos, flex_block_mask, position_ids)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

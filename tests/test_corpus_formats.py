@@ -12,7 +12,7 @@ from mfsdp_launch.corpus.formats import FlatShard
 from mfsdp_launch.corpus.indexed import MegatronShard, write_index
 from mfsdp_launch.corpus.sources import resolve
 from mfsdp_launch.corpus.stream import TokenStream
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.core.errors import ConfigError
 
 CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4, np.dtype(np.uint8): 1}
 

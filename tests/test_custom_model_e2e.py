@@ -110,7 +110,7 @@ def test_custom_model_trains_resumes_exactly_reshards_and_freezes(tmp_path, user
 
 
 def test_dry_run_sizes_come_from_a_meta_build_without_torch_in_the_launcher(user_env):
-    code = ("import sys\nfrom mfsdp_launch.cli import main\nrc = main(sys.argv[1:])\n"
+    code = ("import sys\nfrom mfsdp_launch.launcher.cli import main\nrc = main(sys.argv[1:])\n"
             "print('torch imported:', 'torch' in sys.modules, 'user code imported:', %r in sys.modules)\n"
             "sys.exit(rc)" % MODULE_NAME)
     args = [*RUN, "model.kwargs={dim: 64, n_layers: 3}", "launcher.dry_run=true"]
@@ -199,8 +199,8 @@ class LogitsNotLoss(LM):
         "init-fn", "no-reset", "contract", "freeze", "foreign-key"])
 def test_more_bad_input_is_one_line(tmp_path, monkeypatch, overrides, expected):
     """The same checks in-process (this process has torch, so the probe runs here: fast)."""
-    from mfsdp_launch.config import prepare
-    from mfsdp_launch.errors import ConfigError
+    from mfsdp_launch.planner import prepare
+    from mfsdp_launch.core.errors import ConfigError
 
     (tmp_path / f"{MODULE_NAME}.py").write_text(textwrap.dedent(USER_MODULE))
     (tmp_path / f"{MODULE_NAME}_more.py").write_text(MORE_MODELS.format(module=MODULE_NAME))

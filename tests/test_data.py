@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mfsdp_launch import data as D
-from mfsdp_launch.config.schema import DataConfig
+from mfsdp_launch.core.schema import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -242,7 +242,7 @@ def test_concurrent_builds(tmp_path, cache):
         import sys, time, zlib
         sys.path.insert(0, {REPO!r})
         from mfsdp_launch.data import TokenBatches
-        from mfsdp_launch.config.schema import DataConfig
+        from mfsdp_launch.core.schema import DataConfig
         t0 = float(sys.argv[1])
         while time.time() < t0:
             pass
@@ -354,7 +354,7 @@ def test_check_data_config_does_not_import_torch(corpus, cache):
         import sys
         sys.path.insert(0, {REPO!r})
         from mfsdp_launch.data import check_data_config
-        from mfsdp_launch.config.schema import DataConfig
+        from mfsdp_launch.core.schema import DataConfig
         check_data_config(DataConfig(name="text", path={str(corpus)!r}, cache_dir={cache!r}), vocab_size=256)
         check_data_config(DataConfig(name="text", max_bytes=1000), vocab_size=256)
         check_data_config(DataConfig(name="synthetic"), vocab_size=32)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mfsdp_launch.config.schema import ModelConfig
+from mfsdp_launch.core.schema import ModelConfig
 from mfsdp_launch.corpus import block_causal_mask, doc_ids_from_eos
 from mfsdp_launch.models.family import lm_loss
-from mfsdp_launch.models.gpt_modules import GPT
-from mfsdp_launch.models.llama_dims import resolve_gpt_dims
+from mfsdp_launch.models.llama.gpt_modules import GPT
+from mfsdp_launch.models.llama.dims import resolve_gpt_dims
 
 EOS = 0
 LENGTHS = [[9, 14, 5, 12], [25, 15]]  # two rows of 40 tokens

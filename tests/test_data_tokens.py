@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from mfsdp_launch.config import prepare
+from mfsdp_launch.planner import prepare
 from mfsdp_launch.corpus import doc_ids_from_eos, shards
 from mfsdp_launch.data import TokenBatches, check_data_config
-from mfsdp_launch.errors import ConfigError
-from mfsdp_launch.loop import TrainState
+from mfsdp_launch.core.errors import ConfigError
+from mfsdp_launch.rank.loop import TrainState
 from mfsdp_launch.mesh import ParallelDims
 from mfsdp_launch.models import build_model_spec
-from mfsdp_launch.runtime import Runtime, batch_source, val_batch_source
+from mfsdp_launch.rank.runtime import Runtime, batch_source, val_batch_source
 
 EOS = 0
 

@@ -4,18 +4,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mfsdp_launch.engines.megatron import (
-    MegatronFSDPEngine,
-    _restore_hfsdp_grad_scaling,
-    make_capturable,
-    match_capturable,
-    reset_step_counters,
-    unwrap,
-)
+from mfsdp_launch.engines.megatron import (MegatronFSDPEngine, _restore_hfsdp_grad_scaling, make_capturable, match_capturable, reset_step_counters, unwrap)
 from mfsdp_launch.engines.megatron_plan import plan_megatron_fsdp
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.core.errors import ConfigError
 from mfsdp_launch.mesh import ParallelDims
-from mfsdp_launch.config.schema import EngineConfig, MeshConfig, PrecisionConfig, ShardingConfig
+from mfsdp_launch.core.schema import EngineConfig, MeshConfig, PrecisionConfig, ShardingConfig
 
 
 def dims(dp_outer=1, dp_shard=-1, cp=1, tp=1, world=2):

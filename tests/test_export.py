@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, cli_env
 from mfsdp_launch import checkpoint as C
-from mfsdp_launch.export import main as export_main
+from mfsdp_launch.tools.export import main as export_main
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def run_dir(tmp_path):
     import torch.nn as nn
 
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.config.schema import CheckpointConfig
+    from mfsdp_launch.core.schema import CheckpointConfig
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -109,7 +109,7 @@ def test_damage_without_checksums_is_one_line_from_the_cli(run_dir, tmp_path):
     (step / C.MANIFEST).write_text(json.dumps(manifest))
     shard = step / "__0_0.distcp"
     shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, nothing DCP can read
-    out = subprocess.run([sys.executable, "-m", "mfsdp_launch.export", str(step), str(tmp_path / "m.pt"),
+    out = subprocess.run([sys.executable, "-m", "mfsdp_launch.tools.export", str(step), str(tmp_path / "m.pt"),
                           "--format", "torch"], capture_output=True, text=True, cwd=ROOT, env=cli_env(), timeout=120)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()

@@ -27,7 +27,7 @@ def tp1_weight() -> torch.Tensor:
 
 
 def expected_local(tp_rank: int, dp_rank: int) -> torch.Tensor:
-    from mfsdp_launch.models.te_parallel import tp_slice
+    from mfsdp_launch.models.llama.te_parallel import tp_slice
 
     shard = tp_slice(tp1_weight(), "fc1_weight", 0, tp_rank, TP)
     start = sum(DP_ROWS[:dp_rank])
@@ -109,7 +109,7 @@ def test_glu_chunks_and_gathered_order():
 
 
 if __name__ == "__main__":
-    from mfsdp_launch.worker import leave
+    from mfsdp_launch.rank.worker import leave
 
     _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     leave(0)  # no interpreter teardown: gloo's threads have aborted a finished process there

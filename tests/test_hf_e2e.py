@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT, cli, cli_env
-from mfsdp_launch.runstate import read_metrics
+from mfsdp_launch.launcher.runstate import read_metrics
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ def train(run_dir, *overrides, env=None):
 
 
 def export_hf(ckpt, out_dir):
-    out = subprocess.run([sys.executable, "-m", "mfsdp_launch.export", str(ckpt), str(out_dir), "--format", "hf"],
+    out = subprocess.run([sys.executable, "-m", "mfsdp_launch.tools.export", str(ckpt), str(out_dir), "--format", "hf"],
                          capture_output=True, text=True, cwd=ROOT, env=cli_env(), timeout=300)
     assert out.returncode == 0, out.stderr
     assert "(hf," in out.stdout
@@ -69,8 +69,8 @@ def refused(tmp_path, *overrides, env=None) -> str:
 @pytest.mark.slow
 def test_gpt_exports_to_transformers_and_init_from_restarts_at_its_loss(tmp_path, window):
     from mfsdp_launch.checkpoint.weights import read_model_state
-    from mfsdp_launch.models.gpt_modules import GPT
-    from mfsdp_launch.models.llama_dims import GPTDims
+    from mfsdp_launch.models.llama.gpt_modules import GPT
+    from mfsdp_launch.models.llama.dims import GPTDims
 
     a, b = tmp_path / "A", tmp_path / "B"
     dims = ["model.n_kv_heads=2", "model.rope_theta=500000", "model.norm_eps=1e-6"]
@@ -158,8 +158,8 @@ def test_hf_bad_input_is_one_line(tmp_path):
      "model.n_layers: model=hf takes its dims from its config; it would do nothing (allowed: null)"),
 ], ids=["vocab", "loss", "pretrained-without-path", "gpt-key"])
 def test_more_hf_bad_input_in_process(overrides, expected):
-    from mfsdp_launch.config import prepare
-    from mfsdp_launch.errors import ConfigError
+    from mfsdp_launch.planner import prepare
+    from mfsdp_launch.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         prepare(["model=hf", *overrides], check_hardware=False)
@@ -167,8 +167,8 @@ def test_more_hf_bad_input_in_process(overrides, expected):
 
 
 def test_pretrained_weights_are_checked_against_the_model_before_spawning(tmp_path):
-    from mfsdp_launch.config import prepare
-    from mfsdp_launch.errors import ConfigError
+    from mfsdp_launch.planner import prepare
+    from mfsdp_launch.core.errors import ConfigError
 
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     model.save_pretrained(tmp_path)

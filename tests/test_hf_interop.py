@@ -11,12 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from mfsdp_launch.errors import ConfigError  # noqa: E402
-from mfsdp_launch.hf import config as hf_config  # noqa: E402
-from mfsdp_launch.hf import llama_keys, load  # noqa: E402
-from mfsdp_launch.hf.export import INDEX_FILE, SINGLE_FILE, export_gpt_state, plan_shards  # noqa: E402
-from mfsdp_launch.models.gpt_modules import GPT  # noqa: E402
-from mfsdp_launch.models.llama_dims import GPTDims  # noqa: E402
+from mfsdp_launch.core.errors import ConfigError  # noqa: E402
+from mfsdp_launch.models.llama import hf_config  # noqa: E402
+from mfsdp_launch.models.llama import hf_keys as llama_keys
+from mfsdp_launch.models import hf_weights as load  # noqa: E402
+from mfsdp_launch.models.llama.hf_export import INDEX_FILE, SINGLE_FILE, export_gpt_state, plan_shards  # noqa: E402
+from mfsdp_launch.models.llama.gpt_modules import GPT  # noqa: E402
+from mfsdp_launch.models.llama.dims import GPTDims  # noqa: E402
 
 
 def _dims(tie: bool = False, **kw) -> GPTDims:

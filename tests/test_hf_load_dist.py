@@ -31,7 +31,7 @@ if __name__ != "__main__":
 
 
 def _dims():
-    from mfsdp_launch.models.llama_dims import GPTDims
+    from mfsdp_launch.models.llama.dims import GPTDims
 
     return GPTDims(**DIMS)
 
@@ -40,7 +40,7 @@ def _reference(hf_dir: str, model: str):
     """The files' weights in our layout, read whole by safetensors (independent of load.py)."""
     from safetensors.torch import load_file
 
-    from mfsdp_launch.hf import llama_keys
+    from mfsdp_launch.models.llama import hf_keys as llama_keys
 
     return llama_keys.hf_to_state(load_file(os.path.join(hf_dir, "model.safetensors")), _dims(), model)
 
@@ -52,8 +52,9 @@ def _fsdp2_gpt(rank: int, world: int, hf_dir: str) -> None:
 
     from mfsdp_launch.engines.base import local_tensor
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.hf import llama_keys, load
-    from mfsdp_launch.models.gpt_modules import GPT, Block
+    from mfsdp_launch.models.llama import hf_keys as llama_keys
+    from mfsdp_launch.models import hf_weights as load
+    from mfsdp_launch.models.llama.gpt_modules import GPT, Block
 
     dims = _dims()
     mesh = init_device_mesh("cpu", (world,))
@@ -97,7 +98,8 @@ def _te_layout(rank: int, world: int, hf_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from mfsdp_launch.hf import llama_keys, load
+    from mfsdp_launch.models.llama import hf_keys as llama_keys
+    from mfsdp_launch.models import hf_weights as load
 
     dims = _dims()
     mesh = init_device_mesh("cpu", (world,))
@@ -134,7 +136,8 @@ def _fsdp2_hf(rank: int, world: int, hf_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.hf import hf_model, load
+    from mfsdp_launch.models.hf import model as hf_model
+    from mfsdp_launch.models import hf_weights as load
 
     mesh = init_device_mesh("cpu", (world,))
     src = hf_model.resolve_hf_model(path=hf_dir)
@@ -181,7 +184,7 @@ def _child(rank: int, world: int, port: int, hf_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from mfsdp_launch.worker import leave
+    from mfsdp_launch.rank.worker import leave
 
     _child(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     leave(0)  # no interpreter teardown: gloo's threads have aborted a finished process there
@@ -195,8 +198,8 @@ def test_sliced_load_fsdp2_and_uneven_shards(tmp_path):
     import torch
 
     from conftest import free_port
-    from mfsdp_launch.hf.export import export_gpt_state
-    from mfsdp_launch.models.gpt_modules import GPT
+    from mfsdp_launch.models.llama.hf_export import export_gpt_state
+    from mfsdp_launch.models.llama.gpt_modules import GPT
 
     torch.manual_seed(0)
     export_gpt_state(GPT(_dims()).state_dict(), tmp_path / "hf", dims=_dims())
@@ -226,7 +229,7 @@ def _save_qwen2(path: Path) -> bool:
         import transformers
     except ImportError:
         return False
-    from mfsdp_launch.hf import hf_model
+    from mfsdp_launch.models.hf import model as hf_model
 
     src = hf_model.resolve_hf_model(hf_config=dict(
         model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -13,9 +13,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import ROOT  # noqa: E402
-from mfsdp_launch.errors import ConfigError  # noqa: E402
-from mfsdp_launch.hf import hf_model, load  # noqa: E402
-from mfsdp_launch.hf.user_model import cross_entropy_loss  # noqa: E402
+from mfsdp_launch.core.errors import ConfigError  # noqa: E402
+from mfsdp_launch.models.hf import model as hf_model
+from mfsdp_launch.models import hf_weights as load  # noqa: E402
+from mfsdp_launch.models.custom.user_model import cross_entropy_loss  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
@@ -134,7 +135,7 @@ def test_paths_that_are_not_local_hf_dirs_are_refused(tmp_path):
 
 def test_without_transformers_model_hf_is_one_line_naming_the_extra():
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "from mfsdp_launch.hf import hf_model\n"
+            "from mfsdp_launch.models.hf import hf_model\n"
             "try:\n    hf_model.resolve_hf_model(path='x')\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
@@ -145,7 +146,7 @@ def test_without_transformers_model_hf_is_one_line_naming_the_extra():
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_export_of_an_hf_model_reloads_with_equal_logits(tmp_path, family):
-    from mfsdp_launch.hf.export import export_hf_state
+    from mfsdp_launch.models.llama.hf_export import export_hf_state
 
     torch.manual_seed(2)
     model = hf_model.build_hf_model(hf_model.resolve_hf_model(hf_config=CONFIGS[family])).eval()
@@ -171,7 +172,7 @@ def test_meta_build_initializes_module_by_module_as_megatron_fsdp_does():
     """Megatron-FSDP's meta init materializes each module that owns parameters and calls its
     reset_parameters(); buffers of parameter-less modules (RoPE) stay on meta. The family's build
     makes that give the model's own init and a working RoPE."""
-    from mfsdp_launch.config.schema import ModelConfig
+    from mfsdp_launch.core.schema import ModelConfig
     from mfsdp_launch.models import family
 
     cfg = ModelConfig(name="hf", hf_config=dict(CONFIGS["llama"]), init_on_meta=True)

@@ -26,10 +26,11 @@ def test_te_gpt_exports_to_and_loads_from_transformers(tmp_path, tie):
     import torch
     import transformers
 
-    from mfsdp_launch.hf import llama_keys, load
-    from mfsdp_launch.hf.export import export_gpt_state
-    from mfsdp_launch.models.llama_dims import GPTDims
-    from mfsdp_launch.models.te_modules import TEGPT
+    from mfsdp_launch.models.llama import hf_keys as llama_keys
+    from mfsdp_launch.models import hf_weights as load
+    from mfsdp_launch.models.llama.hf_export import export_gpt_state
+    from mfsdp_launch.models.llama.dims import GPTDims
+    from mfsdp_launch.models.llama.te_modules import TEGPT
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dims = GPTDims(tie_embeddings=tie, **DIMS)
@@ -69,8 +70,8 @@ def test_te_gpt_cli_export_and_init_from_restart_at_the_same_loss(tmp_path):
     from test_hf_e2e import export_hf, losses, train, window_batch
 
     from mfsdp_launch.checkpoint.weights import read_model_state
-    from mfsdp_launch.hf.config import read_llama_dims
-    from mfsdp_launch.models.te_modules import TEGPT
+    from mfsdp_launch.models.llama.hf_config import read_llama_dims
+    from mfsdp_launch.models.llama.te_modules import TEGPT
 
     window = tmp_path / "window.txt"
     window.write_bytes((b"The quick brown fox jumps over the lazy dog. " * 2)[:33])

@@ -10,11 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mfsdp_launch.errors import ConfigError  # noqa: E402
-from mfsdp_launch.hf import user_model as um  # noqa: E402
+from mfsdp_launch.core.errors import ConfigError  # noqa: E402
+from mfsdp_launch.models.custom import user_model as um  # noqa: E402
 from mfsdp_launch.models import family  # noqa: E402
-from mfsdp_launch.models import llama_dims as sizes  # noqa: E402
-from mfsdp_launch.models.gpt_modules import GPT, Block  # noqa: E402
+from mfsdp_launch.models.llama import dims as sizes  # noqa: E402
+from mfsdp_launch.models.llama.gpt_modules import GPT, Block  # noqa: E402
 
 USER_MODULE = '''
 import torch
@@ -128,7 +128,7 @@ def test_propose_unit_modules():
     dims = sizes.GPTDims(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=256,
                          tie_embeddings=False, norm_eps=1e-5, rope_theta=1e4)
     gpt = um.build_on_meta(lambda: GPT(dims))
-    assert um.propose_unit_modules(gpt) == ["mfsdp_launch.models.gpt_modules.Block"]
+    assert um.propose_unit_modules(gpt) == ["mfsdp_launch.models.llama.gpt_modules.Block"]
     assert um.resolve_unit_classes(um.propose_unit_modules(gpt), gpt) == (Block,)
 
 
@@ -146,8 +146,8 @@ def test_unit_module_refusals_list_the_proposal(user_pkg):
     assert str(err.value) == (f"model.fsdp_unit_modules: is empty; name the classes to shard one by one "
                               f"(the model repeats: {user_pkg}.models.Layer)")
     with pytest.raises(ConfigError) as err:
-        um.resolve_unit_classes(["mfsdp_launch.models.gpt_modules.Block"], tiny)
-    assert str(err.value) == (f"model.fsdp_unit_modules: the model contains no mfsdp_launch.models.gpt_modules.Block "
+        um.resolve_unit_classes(["mfsdp_launch.models.llama.gpt_modules.Block"], tiny)
+    assert str(err.value) == (f"model.fsdp_unit_modules: the model contains no mfsdp_launch.models.llama.gpt_modules.Block "
                               f"(it repeats: {user_pkg}.models.Layer)")
     with pytest.raises(ConfigError, match="is not an nn.Module class"):
         um.resolve_unit_classes([f"{user_pkg}.models.build"], tiny)

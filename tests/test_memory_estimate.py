@@ -1,4 +1,4 @@
-"""The per-rank memory estimate (memory.py) against the peaks measured on H200s
+"""The per-rank memory estimate (planner/memory.py) against the peaks measured on H200s
 (bench/memory_reference.json, the one table of them), its structure (monotonic in AC, tp, cp, ZeRO
 stage, FP8 weights), and scripts/bench.py's memory groups: `--dry` plans and estimates on a CPU
 machine, and a bounded run leaves no process behind. Torch-free."""
@@ -17,8 +17,8 @@ from conftest import ROOT, cli_env
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402
 
-from mfsdp_launch.config import prepare  # noqa: E402
-from mfsdp_launch.memory import GIB, estimate  # noqa: E402
+from mfsdp_launch.planner import prepare  # noqa: E402
+from mfsdp_launch.planner.memory import GIB, estimate  # noqa: E402
 from mfsdp_launch.mesh import ParallelDims  # noqa: E402
 
 TOLERANCE = 0.15  # issue 15: within +-15 % of measured
@@ -38,7 +38,7 @@ RESERVED = bench.reserved_points(bench.load_results())
 
 @pytest.mark.parametrize("run", RESERVED, ids=lambda r: r["name"])
 def test_estimate_is_within_15_percent_of_each_measured_reserved_peak(run):
-    """bench/memory.md's runs (reserved peaks measured on H200s), estimated by today's memory.py."""
+    """bench/memory.md's runs (reserved peaks measured on H200s), estimated by today's planner/memory.py."""
     ratio = bench.current_estimate(run) / run["peak_reserved_gib"]
     assert abs(ratio - 1) <= TOLERANCE, f"{run['name']}: {ratio:.2f}"
 

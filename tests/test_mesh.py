@@ -1,8 +1,8 @@
 import pytest
 
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.core.errors import ConfigError
 from mfsdp_launch.mesh import ParallelDims
-from mfsdp_launch.config.schema import MeshConfig
+from mfsdp_launch.core.schema import MeshConfig
 
 
 def dims(dp_outer=1, dp_shard=-1, cp=1, tp=1, world=8):

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.core.errors import ConfigError
 from mfsdp_launch.models import build_model_spec, family
-from mfsdp_launch.models import llama_dims as L
-from mfsdp_launch.models.family import resolve_unit_modules
-from mfsdp_launch.models.gpt_modules import GPT, Block
-from mfsdp_launch.config.schema import ModelConfig
+from mfsdp_launch.models.llama import dims as L
+from mfsdp_launch.models.family import Parallel, resolve_unit_modules
+from mfsdp_launch.models.llama.gpt_modules import GPT, Block
+from mfsdp_launch.core.schema import ModelConfig
 
 # nn.Transformer warns about nested tensors on every construction; the seed's model is as it is.
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor:UserWarning")
@@ -205,7 +205,7 @@ def test_unknown_preset_and_bad_dims():
 def test_the_registry_counts_without_torch():
     code = (
         "import sys; from mfsdp_launch.models import family;"
-        "from mfsdp_launch.config.schema import ModelConfig;"
+        "from mfsdp_launch.core.schema import ModelConfig;"
         "family('gpt').param_count(ModelConfig(name='gpt', preset='8b'));"
         "family('toy_transformer').flops_per_token(ModelConfig(name='toy_transformer'), 1);"
         "assert 'torch' not in sys.modules, 'torch was imported'"
@@ -306,7 +306,7 @@ def test_toy_param_count_is_exact(name, overrides):
 @pytest.mark.parametrize("name", ["toy_cnn", "toy_transformer"])
 def test_toy_models_match_seed_exactly(name):
     spec = build_model_spec(ModelConfig(name=name), 1)
-    assert not spec.uses_tokens and spec.tokens_per_sample == 1 and family(name).model_parallel
+    assert not spec.uses_tokens and spec.tokens_per_sample == 1 and family(name).tp_mode == Parallel.REPLICATE
 
     torch.manual_seed(0)
     ref = ref_build(name)
@@ -358,7 +358,7 @@ def test_toy_unit_modules_and_reinit():
 def test_gpt_loss_at_init_is_log_vocab():
     spec = build_model_spec(gpt_cfg(), 64)
     assert spec.uses_tokens and spec.tokens_per_sample == 64 and spec.unit_modules == (Block,)
-    assert not family("gpt").model_parallel and not family("gpt").has_te_layers
+    assert family("gpt").tp_mode == Parallel.DTENSOR and not family("gpt").has_te_layers
     torch.manual_seed(0)
     model = spec.build()
     loss = spec.loss(model, token_batch(256, 4, 64))
@@ -462,7 +462,7 @@ def test_gpt_params_dtype():
 def test_unit_module_override():
     spec = build_model_spec(gpt_cfg(fsdp_unit_modules=["torch.nn.Linear"]), 16)
     assert spec.unit_modules == (torch.nn.Linear,)
-    assert resolve_unit_modules(["mfsdp_launch.models.gpt_modules.Block", "torch.nn.Transformer"]) == (
+    assert resolve_unit_modules(["mfsdp_launch.models.llama.gpt_modules.Block", "torch.nn.Transformer"]) == (
         Block, torch.nn.Transformer,
     )
     for bad in ["torch.nn.NoSuchLayer", "nosuchpackage.Layer", "torch.nn.functional.relu", "Linear"]:
@@ -482,7 +482,7 @@ def _te_importable():
 
 
 def test_te_models_import_lazily_and_fail_clearly():
-    import mfsdp_launch.models.te_modules  # noqa: F401 - import-safe without TE
+    import mfsdp_launch.models.llama.te_modules  # noqa: F401 - import-safe without TE
 
     if _te_importable():
         pytest.skip("Transformer Engine is installed")
@@ -497,7 +497,7 @@ def test_te_models_import_lazily_and_fail_clearly():
 
 def test_init_te_model_rules(monkeypatch):
     """The TE re-init's name rules, on a CPU stand-in with TE's parameter names."""
-    from mfsdp_launch.models import te_modules as te_models
+    from mfsdp_launch.models.llama import te_modules as te_models
 
     class FakeQuantized(torch.Tensor):
         pass

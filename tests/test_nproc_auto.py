@@ -4,10 +4,10 @@ and the single-node HFSDP cost warning."""
 import pytest
 from conftest import cli
 
-from mfsdp_launch import hardware
-from mfsdp_launch.config import prepare
-from mfsdp_launch.config.sharding import SINGLE_NODE_HFSDP
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.core import hardware
+from mfsdp_launch.planner import prepare
+from mfsdp_launch.core.sharding import SINGLE_NODE_HFSDP
+from mfsdp_launch.core.errors import ConfigError
 
 GPU_RECIPES = ["fsdp_bf16", "hsdp_bf16", "hfsdp_bf16", "hfsdp_fp8"]
 

@@ -13,9 +13,9 @@ from conftest import cli, cli_env
 
 torch = pytest.importorskip("torch")
 
-from mfsdp_launch import exit_codes  # noqa: E402
-from mfsdp_launch.memory import HINT  # noqa: E402
-from mfsdp_launch.oom import LINE_RE, is_oom, note_step, oom_line  # noqa: E402
+from mfsdp_launch.core import exit_codes  # noqa: E402
+from mfsdp_launch.planner.memory import HINT  # noqa: E402
+from mfsdp_launch.rank.oom import LINE_RE, is_oom, note_step, oom_line  # noqa: E402
 
 MODULE_NAME = "mfsdp_test_oom_model"
 USER_MODULE = '''

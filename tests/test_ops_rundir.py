@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from mfsdp_launch import exit_codes, rundir
+from mfsdp_launch.core import exit_codes, rundir
 
 
 def one_line_error(r) -> str:
@@ -88,7 +88,7 @@ def slurm_run(run_dir, **kw):
 def test_a_live_holder_is_named_and_nothing_is_written(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from mfsdp_launch.runlock import RunLock; "
+        "import sys, time; from mfsdp_launch.launcher.runlock import RunLock; "
         f"lock = RunLock({str(run_dir)!r}, command='holder').acquire(); print('held', flush=True); "
         "sys.stdin.read(); lock.release()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
@@ -121,7 +121,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
 
 
 def test_lock_records_its_holder_and_other_nodes_lock_their_own_file(tmp_path):
-    from mfsdp_launch.runlock import RunLock
+    from mfsdp_launch.launcher.runlock import RunLock
 
     with RunLock(tmp_path, command="me") as lock:
         record = json.loads((tmp_path / rundir.LOCK).read_text())

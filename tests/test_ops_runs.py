@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, cli, cli_env
-from mfsdp_launch import exit_codes, rundir
+from mfsdp_launch.core import exit_codes, rundir
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 def test_a_guarded_process_dies_with_its_parent(tmp_path):
     """parent (a shell) -> child with the guards; SIGKILL the parent: the child is gone at once."""
     pid_file = tmp_path / "child.pid"
-    child = (f"from mfsdp_launch.stopping import install_process_guards; install_process_guards(None); "
+    child = (f"from mfsdp_launch.rank.stopping import install_process_guards; install_process_guards(None); "
              f"open({str(pid_file)!r}, 'w').write(str(__import__('os').getpid())); __import__('time').sleep(120)")
     parent = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"{child}\"; sleep 120"], env=ENV)
     deadline = time.monotonic() + 30
@@ -41,7 +41,7 @@ def test_stop_signals_at_any_time_become_a_stop_request(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal, time
         from pathlib import Path
-        from mfsdp_launch.stopping import StopControl, install_process_guards
+        from mfsdp_launch.rank.stopping import StopControl, install_process_guards
         run_dir = Path({str(tmp_path)!r})
         install_process_guards(run_dir)  # before the loop listens: SIGUSR1 -> the STOP file
         os.kill(os.getpid(), signal.SIGUSR1)

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from mfsdp_launch import rundir
+from mfsdp_launch.core import rundir
 
 # One training "attempt": rows from step a to b, as rank 0's MetricsWriter writes them after a
 # resume at step a-1 (rows above the resume point are dropped, as a real resume does).
 ATTEMPT = textwrap.dedent("""
     import sys
-    from mfsdp_launch.metrics import MetricsWriter
+    from mfsdp_launch.components.metrics import MetricsWriter
     run_dir, tracker, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     cfg = {tracker: dict(enabled=True, **({"project": "ops-test"} if tracker == "wandb" else {}))}
     w = MetricsWriter(run_dir, enabled=True, start_step=first - 1, logging_cfg=cfg)
@@ -117,7 +117,7 @@ def test_a_tracker_that_is_not_installed_is_a_warning(tmp_path):
     code = textwrap.dedent("""
         import sys
         sys.modules["wandb"] = None  # as if not installed
-        from mfsdp_launch.metrics import MetricsWriter
+        from mfsdp_launch.components.metrics import MetricsWriter
         w = MetricsWriter(sys.argv[1], enabled=True, logging_cfg={"wandb": True})
         w.write({"step": 1, "loss": 1.0})
         w.close()

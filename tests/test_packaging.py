@@ -25,7 +25,7 @@ def run_installed(target, cwd, *code_or_args, module=False):
 
 
 def test_configs_and_recipes_ship_in_the_wheel(installed, tmp_path):
-    out = run_installed(installed, tmp_path, "from mfsdp_launch.config.compose import config_dir; print(config_dir())")
+    out = run_installed(installed, tmp_path, "from mfsdp_launch.planner.compose import config_dir; print(config_dir())")
     assert out.returncode == 0, out.stderr
     where = out.stdout.strip()
     assert where.startswith(str(installed)), where

@@ -2,9 +2,9 @@
 
 import pytest
 
-from mfsdp_launch.config import prepare
-from mfsdp_launch.errors import ConfigError
-from mfsdp_launch.memory import GIB, check_fits, estimate, parse_memory_total
+from mfsdp_launch.planner import prepare
+from mfsdp_launch.core.errors import ConfigError
+from mfsdp_launch.planner.memory import GIB, check_fits, estimate, parse_memory_total
 from mfsdp_launch.mesh import ParallelDims
 
 TP2 = ["engine=fsdp2", "mesh.tp=2", "launcher.nproc_per_node=2", "launcher.dry_run=true"]

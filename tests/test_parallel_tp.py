@@ -1,4 +1,4 @@
-"""Tensor + sequence parallelism for `gpt` under FSDP2 on gloo (models/parallelize.py): the tp=2
+"""Tensor + sequence parallelism for `gpt` under FSDP2 on gloo (models/llama/tensor_parallel.py): the tp=2
 loss curve equals tp=1's, DCP checkpoints reshard between tp=2 and tp=1 in both directions, and
 inside a tp=2 model the blocks hold T/2 tokens while logits and every gradient equal the plain
 model's (two gloo processes running this file as a script)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mfsdp_launch.runstate import read_metrics
+from mfsdp_launch.launcher.runstate import read_metrics
 
 if __name__ != "__main__":
     from conftest import cli
@@ -75,9 +75,9 @@ def _sp_child(rank: int, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mfsdp_launch.models.gpt_modules import GPT
-    from mfsdp_launch.models.llama_dims import GPTDims
-    from mfsdp_launch.models.parallelize import parallelize_gpt
+    from mfsdp_launch.models.llama.gpt_modules import GPT
+    from mfsdp_launch.models.llama.dims import GPTDims
+    from mfsdp_launch.models.llama.tensor_parallel import parallelize_gpt
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -118,7 +118,7 @@ def test_sequence_parallel_matches_the_plain_model():
 
 
 if __name__ == "__main__":
-    from mfsdp_launch.worker import leave
+    from mfsdp_launch.rank.worker import leave
 
     _sp_child(int(sys.argv[1]), int(sys.argv[2]))
     leave(0)  # no interpreter teardown: gloo's threads have aborted a finished process there

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from mfsdp_launch.config.fp8 import min_capability
-from mfsdp_launch.errors import ConfigError
-from mfsdp_launch.precision import apply_fp8_skip, torch_dtype
+from mfsdp_launch.core.fp8 import min_capability
+from mfsdp_launch.core.errors import ConfigError
+from mfsdp_launch.components.precision import apply_fp8_skip, torch_dtype
 
 
 def test_dtype_names():

@@ -7,9 +7,9 @@ import json
 import pytest
 from conftest import cli
 
-from mfsdp_launch.config import prepare
-from mfsdp_launch.errors import ConfigError
-from mfsdp_launch.profiling import PROFILE_DIR, TOP_OPS, TOP_N, trace_name
+from mfsdp_launch.planner import prepare
+from mfsdp_launch.core.errors import ConfigError
+from mfsdp_launch.components.profiling import PROFILE_DIR, TOP_OPS, TOP_N, trace_name
 
 BASE = ["engine=fsdp2", "model=gpt", "model.preset=tiny", "data=synthetic", "train.seq_len=32",
         "train.micro_batch_size=2", "train.log_interval=1", "train.progress=false", "checkpoint.save_final=false",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from mfsdp_launch import report
+from mfsdp_launch.tools import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PNGS = ("report.png", "loss.png", "throughput.png", "mfu.png", "memory.png")
@@ -138,7 +138,7 @@ def test_missing_matplotlib_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
 
 def test_console_script_entry_point_is_declared():
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
-    assert 'mfsdp-report = "mfsdp_launch.report:main"' in text
+    assert 'mfsdp-report = "mfsdp_launch.tools.report:main"' in text
 
 
 @pytest.mark.slow

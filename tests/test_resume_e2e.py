@@ -32,7 +32,7 @@ def run(run_dir, *overrides, expect=0):
 
 def exported(run_dir, tmp_path, name):
     target = tmp_path / f"{name}.pt"
-    out = subprocess.run([sys.executable, "-m", "mfsdp_launch.export", str(run_dir), str(target), "--format", "torch"],
+    out = subprocess.run([sys.executable, "-m", "mfsdp_launch.tools.export", str(run_dir), str(target), "--format", "torch"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return torch.load(target)
@@ -81,7 +81,7 @@ def test_stray_tmp_is_ignored_and_must_fails_clearly(tmp_path):
 
 
 def test_sigterm_to_the_launcher_saves_exits_interrupted_then_resumes(tmp_path):
-    from mfsdp_launch import exit_codes
+    from mfsdp_launch.core import exit_codes
 
     run_dir = tmp_path / "pre"
     env = dict(os.environ, PYTHONPATH=str(ROOT), MFSDP_CACHE_DIR=str(ROOT / ".pytest_cache" / "tokens"))

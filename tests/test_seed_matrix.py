@@ -12,8 +12,8 @@ from itertools import product
 import pytest
 
 from conftest import cli
-from mfsdp_launch.config import prepare
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.planner import prepare
+from mfsdp_launch.core.errors import ConfigError
 
 MODELS = {"cnn": "toy_cnn", "transformer": "toy_transformer", "te_transformer": "te_toy_transformer"}
 ZERO = ("no_shard", "optim", "optim_grads", "optim_grads_params")

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, cli_env, free_port
-from mfsdp_launch import exit_codes, slurm
-from mfsdp_launch.config import prepare
+from mfsdp_launch.core import exit_codes, rank_env
+from mfsdp_launch.launcher import slurm
+from mfsdp_launch.planner import prepare
 
 
 def slurm_args(run_dir, *extra):
@@ -138,14 +139,14 @@ def test_dry_run_does_not_write_a_script(tmp_path):
 
 @pytest.mark.parametrize("nodelist,first", [("gpu[003-004,007],cpu01", "gpu003"), ("node7", "node7")])
 def test_worker_reads_the_slurm_nodelist(nodelist, first):
-    """Under a bare srun (no torchrun) the worker takes its rank/world from SLURM's environment."""
-    assert slurm.first_host(nodelist) == first
+    """Under a bare srun (no torchrun) the worker takes its rank/entry.pyworld from SLURM's environment."""
+    assert rank_env.first_host(nodelist) == first
 
 
 def test_worker_env_under_a_bare_srun():
     from unittest import mock
 
-    from mfsdp_launch.runtime import dist_env as _dist_env
+    from mfsdp_launch.rank.runtime import dist_env as _dist_env
 
     slurm_env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                  "SLURM_JOB_NODELIST": "gpu[003-004]", "SLURM_JOB_ID": "123"}

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from mfsdp_launch import launch as launch_mod
-from mfsdp_launch import exit_codes, rundir, sweep, sweep_summary
+from mfsdp_launch.launcher import launch as launch_mod
+from mfsdp_launch.core import exit_codes, rundir
+from mfsdp_launch.launcher import sweep, sweep_summary
 
 SMALL = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
          "train.grad_accum_steps=1"]

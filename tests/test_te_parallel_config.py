@@ -3,9 +3,11 @@ layer; Transformer Engine need not be installed), and te_parallel's shard rule o
 
 import pytest
 
-from mfsdp_launch.config import prepare
-from mfsdp_launch.errors import ConfigError
+from mfsdp_launch.planner import prepare
+from mfsdp_launch.core.errors import ConfigError
+from mfsdp_launch.engines import ENGINES
 from mfsdp_launch.models import FAMILIES
+from mfsdp_launch.models.family import Parallel
 
 MFSDP = ["model=te_gpt", "model.preset=tiny", "engine=megatron_fsdp", "launcher.dry_run=true",
          "train.seq_len=64"]
@@ -22,9 +24,19 @@ def refused(*overrides) -> ConfigError:
     return e.value
 
 
-def test_capability_flags():
-    assert FAMILIES["te_gpt"].te_tp and FAMILIES["te_gpt"].context_parallel
-    assert not FAMILIES["gpt"].te_tp and FAMILIES["gpt"].context_parallel  # all-gather attention, not TE
+def test_support_answers():
+    """Each family's one answer per engine: what validation, the memory estimate and the runtime read."""
+    mfsdp, fsdp2 = ENGINES["megatron_fsdp"], ENGINES["fsdp2"]
+    te = FAMILIES["te_gpt"].support(mfsdp)
+    assert (te.tp, te.cp, te.splits_over_tp, te.splits_sequence) == (Parallel.TE, Parallel.TE, True, True)
+    assert FAMILIES["te_gpt"].support(fsdp2).tp == Parallel.NONE == FAMILIES["te_gpt"].support(fsdp2).cp
+    gpt = FAMILIES["gpt"].support(fsdp2)
+    assert (gpt.tp, gpt.cp) == (Parallel.DTENSOR, Parallel.ALLGATHER)  # all-gather attention, not TE
+    assert FAMILIES["gpt"].support(mfsdp).tp == Parallel.NONE and FAMILIES["gpt"].support(mfsdp).splits_sequence
+    toy = FAMILIES["toy_cnn"].support(mfsdp)
+    assert toy.tp == Parallel.REPLICATE and not toy.splits_over_tp and not toy.splits_sequence
+    assert FAMILIES["toy_cnn"].support(fsdp2).tp == Parallel.NONE
+    assert not FAMILIES["custom"].support(fsdp2).activation_checkpointing
 
 
 @pytest.mark.parametrize("mesh", [["mesh.tp=2"], ["mesh.cp=2"], ["mesh.tp=2", "mesh.cp=2"]])
@@ -55,7 +67,7 @@ def test_refusals(overrides, key, words):
 
 def test_tp_slice_keeps_glu_halves_and_reassembles():
     torch = pytest.importorskip("torch")
-    from mfsdp_launch.models.te_parallel import tp_slice
+    from mfsdp_launch.models.llama.te_parallel import tp_slice
 
     full = torch.arange(8.0).repeat_interleave(3).view(8, 3)  # rows 0..3 gate, 4..7 up
     shards = [tp_slice(full, "fc1_weight", 0, r, 2) for r in range(2)]

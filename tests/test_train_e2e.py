@@ -86,14 +86,14 @@ def test_frozen_parameters_do_not_move(tmp_path):
     import torch
 
     from conftest import ROOT
-    from mfsdp_launch.config.compose import load_frozen
+    from mfsdp_launch.planner.compose import load_frozen
     from mfsdp_launch.models import build_model_spec
 
     run_dir = tmp_path / "frozen"
     out = train(run_dir, "launcher.nproc_per_node=2", "train.micro_batch_size=4", "model.freeze=[tok_emb.*]",
                 "checkpoint.save_final=true")
     assert "frozen" in out.stdout
-    export = subprocess.run([sys.executable, "-m", "mfsdp_launch.export", str(run_dir), str(tmp_path / "w.pt"),
+    export = subprocess.run([sys.executable, "-m", "mfsdp_launch.tools.export", str(run_dir), str(tmp_path / "w.pt"),
                              "--format", "torch"], capture_output=True, text=True, cwd=ROOT)
     assert export.returncode == 0, export.stderr
     trained = torch.load(tmp_path / "w.pt")

@@ -66,7 +66,7 @@ def test_validation_rows_and_training_unchanged(corpora, tmp_path):
     assert "step      4  val_loss" in out.stdout
 
     pytest.importorskip("matplotlib")
-    rep = subprocess.run([sys.executable, "-m", "mfsdp_launch.report", str(val), "--out", str(tmp_path / "rep")],
+    rep = subprocess.run([sys.executable, "-m", "mfsdp_launch.tools.report", str(val), "--out", str(tmp_path / "rep")],
                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
     assert f"val loss {vals[1]['val_loss']:.4f} @ 4" in rep.stdout

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mfsdp_launch.loop import LoopContext, TrainState, train
-from mfsdp_launch.metrics import MetricsWriter
+from mfsdp_launch.rank.loop import LoopContext, TrainState, train
+from mfsdp_launch.components.metrics import MetricsWriter
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,7 +15,7 @@ from conftest import ROOT, cli_env, free_port
 def run(body: str) -> subprocess.CompletedProcess:
     code = textwrap.dedent("""
         import time
-        from mfsdp_launch.watchdog import StallWatchdog
+        from mfsdp_launch.rank.watchdog import StallWatchdog
         wd = StallWatchdog(0.5, label="rank 0: ")
         wd.start()
     """) + textwrap.dedent(body)
@@ -52,7 +52,7 @@ def test_dumping_while_threads_come_and_go_does_not_crash():
     (SIGSEGV). A dump every millisecond during 3 s of thread churn must leave the process alive."""
     code = textwrap.dedent("""
         import threading, time
-        from mfsdp_launch.watchdog import StallWatchdog
+        from mfsdp_launch.rank.watchdog import StallWatchdog
         wd = StallWatchdog(0.001, label="rank 0: ")
         wd.start()
         def work():
@@ -76,7 +76,7 @@ def test_dumping_while_threads_come_and_go_does_not_crash():
 WORKER = """
 import os, sys, time
 import torch, torch.distributed as dist
-from mfsdp_launch.watchdog import StallWatchdog
+from mfsdp_launch.rank.watchdog import StallWatchdog
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 wd = StallWatchdog(0.5, label=f"rank {rank}: ", logs_dir=sys.argv[1])
@@ -99,7 +99,7 @@ dist.destroy_process_group()
 def test_a_stall_dumps_stacks_and_the_flight_recorder_per_rank(tmp_path):
     """Two gloo ranks; rank 1 is late to a collective. Rank 0's watchdog prints the frame it is
     blocked in and writes its flight recorder (the launcher turns it on: TORCH_FR_BUFFER_SIZE)."""
-    from mfsdp_launch.rank_env import diagnostics_env
+    from mfsdp_launch.core.rank_env import diagnostics_env
 
     script = tmp_path / "stall.py"
     script.write_text(WORKER)
@@ -122,7 +122,7 @@ def test_a_stall_dumps_stacks_and_the_flight_recorder_per_rank(tmp_path):
 GPU_WORKER = """
 import os, sys, time
 import torch, torch.distributed as dist
-from mfsdp_launch.watchdog import StallWatchdog
+from mfsdp_launch.rank.watchdog import StallWatchdog
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -150,7 +150,7 @@ def test_an_nccl_stall_dumps_the_nccl_flight_recorder(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from mfsdp_launch.rank_env import diagnostics_env
+    from mfsdp_launch.core.rank_env import diagnostics_env
 
     script = tmp_path / "stall_nccl.py"
     script.write_text(GPU_WORKER)

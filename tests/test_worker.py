@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from mfsdp_launch.config import prepare
-from mfsdp_launch.config.compose import compose
+from mfsdp_launch.planner import prepare
+from mfsdp_launch.planner.compose import compose
 from mfsdp_launch.data import TokenBatches
-from mfsdp_launch.loop import TrainState
+from mfsdp_launch.rank.loop import TrainState
 from mfsdp_launch.mesh import ParallelDims
 from mfsdp_launch.models import build_model_spec
-from mfsdp_launch.runtime import Runtime, batch_source
+from mfsdp_launch.rank.runtime import Runtime, batch_source
 
 
 def _batch_source(cfg, spec, dims, rank, device, resumed=None):
@@ -64,10 +64,10 @@ def test_logged_lr_is_a_number_when_the_optimizer_keeps_it_on_device(tmp_path):
 
     import torch.distributed as dist
 
-    from mfsdp_launch.loop import _log_row
-    from mfsdp_launch.metrics import MetricsWriter
-    from mfsdp_launch.optim import build_scheduler
-    from mfsdp_launch.config.schema import OptimConfig
+    from mfsdp_launch.rank.loop import _log_row
+    from mfsdp_launch.components.metrics import MetricsWriter
+    from mfsdp_launch.components.optim import build_scheduler
+    from mfsdp_launch.core.schema import OptimConfig
 
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([param], lr=3e-4)
@@ -99,7 +99,7 @@ def test_a_failing_rank_prints_its_traceback_and_exits_without_teardown():
     import sys
 
     code = (
-        "import mfsdp_launch.worker as w\n"
+        "import mfsdp_launch.rank.worker as w\n"
         "def fail(cfg):\n"
         "    raise RuntimeError('injected failure at step 10')\n"
         "w._train = fail\n"

@@ -24,7 +24,7 @@ The rooms, each one concept:
     load.py        verify a step's checksums in parallel, then load it
     manager.py     CheckpointManager: what a worker holds
     collective.py  gather/broadcast on the checkpoint's CPU group
-    errors.py      CheckpointError; DCP's BaseException caught for real, told in one line
+    core/errors.py      CheckpointError; DCP's BaseException caught for real, told in one line
 
 A checksum mismatch at resume counts as damage: the previous intact step is used, with one line
 naming the file, or the run refuses (one line) when none is left. Importing this package (and
@@ -34,13 +34,10 @@ everything the launcher calls: preflight, finding, cleaning) never imports torch
 from .errors import CheckpointError
 from .find import Found, committed_steps, find_latest, require_step, resolve_checkpoint
 from .integrity import CHECKSUM, file_checksum, inspect_checkpoint, verify_checksums
-from .layout import (CHECKPOINTS, DCP_METADATA, LATEST, MANIFEST, SCHEDULER_FILE, TMP_SUFFIX, TRAINER, checkpoints_dir,
-                     clean_stale, list_files, list_step_dirs, parse_step, prune_plan, read_latest_pointer,
-                     stale_tmp_entries, step_name, write_atomic)
+from .layout import (CHECKPOINTS, DCP_METADATA, LATEST, MANIFEST, SCHEDULER_FILE, TMP_SUFFIX, TRAINER, checkpoints_dir, clean_stale, list_files, list_step_dirs, parse_step, prune_plan, read_latest_pointer, stale_tmp_entries, step_name, write_atomic)
 from .load import quiet_single_process_warnings, saved_model_keys
 from .manager import CheckpointManager
-from .manifest import (collect_versions, config_changes, incompatibilities, manifest_info_from_config,
-                       model_section, model_shape)
+from .manifest import (collect_versions, config_changes, incompatibilities, manifest_info_from_config, model_section, model_shape)
 from .plan import ResumePlan, plan_resume, preflight
 from .state import Stateful
 

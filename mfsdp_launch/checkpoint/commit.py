@@ -249,7 +249,7 @@ class Saver:
                   file=sys.stderr, flush=True)
 
     def _rename_into_place(self, tmp: Path, step: int) -> Path:
-        from ..atomic_io import fsync_dir
+        from ..core.atomic_io import fsync_dir
 
         final = self.dir / step_name(step)
         old = None

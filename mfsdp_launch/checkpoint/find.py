@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Mapping, Optional, Tuple
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .integrity import inspect_checkpoint
-from .layout import CHECKPOINTS, LATEST, MANIFEST, TMP_SUFFIX, list_step_dirs, parse_step, stale_tmp_entries, \
-    step_name
+from .layout import (CHECKPOINTS, LATEST, MANIFEST, TMP_SUFFIX, list_step_dirs, parse_step, stale_tmp_entries, step_name)
 
 Damaged = Optional[Mapping[Path, str]]
 

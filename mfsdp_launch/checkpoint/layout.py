@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
-from ..atomic_io import atomic_write
-from ..rundir import CHECKPOINTS
+from ..core.atomic_io import atomic_write
+from ..core.rundir import CHECKPOINTS
 
 LATEST = "latest"
 MANIFEST = "manifest.json"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .collective import Group
 from .errors import CheckpointError, describe
 from .find import Found
@@ -55,7 +55,7 @@ def load_full(found: Found, *, engine, model, optimizer, scheduler, train_state,
     """Load everything of `found`; returns the step training continues from. Collective."""
     import torch.distributed.checkpoint as dcp
 
-    from ..optim import config_hparams, keep_config_hparams, load_schedule
+    from ..components.optim import config_hparams, keep_config_hparams, load_schedule
 
     path = found.path
     fresh = config_hparams(optimizer) if optimizer is not None else []

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .collective import Group
 from .commit import Saver
 from .errors import CheckpointError, dcp_failures, describe

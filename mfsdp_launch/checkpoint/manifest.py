@@ -62,8 +62,6 @@ def model_shape(model_cfg) -> Optional[dict]:
         from ..models import family
 
         shape = family(name).shape(model_cfg)
-        if name.startswith("te_"):
-            shape["fuse_qkv"] = bool(cfg_get(model_cfg, "fuse_qkv", False))
     except Exception:
         return None
     return shape
@@ -168,7 +166,7 @@ def shape_of(section: dict) -> Optional[dict]:
     fields (a section written as the raw model config)."""
     if isinstance(section.get("shape"), dict):
         return section["shape"]
-    from ..config.schema import ModelConfig
+    from ..core.schema import ModelConfig
 
     base = ModelConfig()
     for k, v in section.items():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .find import Damaged, Found, find_latest, require_step, resolve_checkpoint
 from .integrity import inspect_checkpoint
 from .layout import checkpoints_dir, list_step_dirs, step_name

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Protocol
 
-from ..rng import RNGState, fallback_seed, seed_all
+from ..components.rng import RNGState, fallback_seed, seed_all
 from .layout import SCHEDULER_FILE, TRAINER, rank_file, write_atomic
 from .manifest import plain
 

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict
 
-from ..console import eprint
-from ..errors import ConfigError
+from ..core.console import eprint
+from ..core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .blend import Blend
 from .doc_mask import doc_ids_from_boundaries
 from .packing import PACKERS, key_of, split_point

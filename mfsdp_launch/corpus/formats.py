@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic_io import atomic_write
+from ..core.atomic_io import atomic_write
 from .indexed import DocStarts, FormatError, Shard, map_tokens
 
 LLMC_MAGIC = 20240520

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, List, Sequence, Tuple
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 JSONL_EXT = (".jsonl", ".ndjson")
 PARQUET_EXT = (".parquet",)

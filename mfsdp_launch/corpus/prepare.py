@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from . import inputs, shard_writer, shards, tokenizer as tk
 from .progress import Progress
 

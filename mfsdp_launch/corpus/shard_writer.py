@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..atomic_io import atomic_write
+from ..core.atomic_io import atomic_write
 from . import inputs
 from .indexed import write_index
 from .shards import Hasher, file_checksum, file_entry, shard_name

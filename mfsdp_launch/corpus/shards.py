@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
-from ..atomic_io import atomic_write
+from ..core.atomic_io import atomic_write
 from .indexed import MegatronShard, write_index
 
 MANIFEST = "manifest.json"

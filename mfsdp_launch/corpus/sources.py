@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..config.schema import Pack
-from ..errors import ConfigError
+from ..core.schema import Pack
+from ..core.errors import ConfigError
 from . import shards as _shards
 from .formats import FlatShard
 from .indexed import MegatronShard, Shard

@@ -10,7 +10,7 @@ import hashlib
 import os
 from typing import Iterable, Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 

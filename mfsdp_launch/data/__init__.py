@@ -14,8 +14,7 @@ Importing this package imports numpy only.
 from .batches import TokenBatches, open_dataset
 from .check import check_data_config, has_validation
 from .layout import microbatch_start, sample_rng, samples_per_step, val_batch_start
-from .text import (BYTE_VOCAB, SEPARATOR, STDLIB_SKIP_DIRS, build_token_cache, cache_dir_for, resolve_text_files,
-                   stdlib_dir, token_dtype, tokenizer_vocab_size)
+from .text import (BYTE_VOCAB, SEPARATOR, STDLIB_SKIP_DIRS, build_token_cache, cache_dir_for, resolve_text_files, stdlib_dir, token_dtype, tokenizer_vocab_size)
 
 __all__ = [
     "TokenBatches", "open_dataset", "check_data_config", "has_validation", "samples_per_step",

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .layout import microbatch_start, sample_rng
 from .text import build_token_cache, cfg_get, describe_path
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .text import cfg_get, describe_path, resolve_text_files, tokenizer_vocab_size
 
 # Keys that only some datasets read: setting one elsewhere would do nothing, so it is refused.
@@ -33,7 +33,7 @@ def check_data_config(data_cfg: Any, *, vocab_size: Optional[int], train: Any = 
     that. ``train`` (the ``train`` section) adds the checks that need ``seq_len`` and the
     validation settings.
     """
-    from ..config.schema import Dataset
+    from ..core.schema import Dataset
 
     name = cfg_get(data_cfg, "name", "synthetic")
     if name not in set(Dataset):

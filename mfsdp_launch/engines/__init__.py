@@ -7,9 +7,9 @@ import importlib
 from dataclasses import dataclass
 from typing import Dict, FrozenSet
 
-from ..config.dtypes import WIDE_DTYPES, Dtype
-from ..config.sharding import OuterStrategy, ZeroStrategy
-from ..errors import ConfigError
+from ..core.dtypes import WIDE_DTYPES, Dtype
+from ..core.sharding import OuterStrategy, ZeroStrategy
+from ..core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -19,16 +19,14 @@ class EngineCaps:
     needs_cuda: bool
     zero: FrozenSet[ZeroStrategy]
     outer: FrozenSet[OuterStrategy]
-    model_parallel: bool  # takes a mesh with tp/cp > 1
     fp8_params: bool  # TE quantized (FP8) primary weights
     te_fused_optim: bool
     cuda_graph: bool  # full-iteration CUDA graphs
     default_mesh: bool  # mesh.enabled=false: the engine builds its own
     main_params_dtypes: FrozenSet = frozenset({None, *Dtype})
-    # Shards models whose parameters are DTensors on the mesh's tp dim (models/parallelize.py).
-    dtensor_tp: bool = False
-    # Averages gradients over dp_shard x cp, so a family that splits sequences over cp can run.
-    context_parallel: bool = False
+    # The ways of using mesh.tp / mesh.cp (models/family.py's Parallel modes) it can shard around.
+    tp_modes: FrozenSet[str] = frozenset()
+    cp_modes: FrozenSet[str] = frozenset()
     why_not: str = ""  # appended to refusals: what to use instead
     # engine.* switches only this engine reads (validation warns when another engine gets them).
     own_keys: FrozenSet[str] = frozenset()
@@ -39,9 +37,11 @@ ENGINES: Dict[str, EngineCaps] = {
     for caps in (
         EngineCaps(
             name="megatron_fsdp", target="mfsdp_launch.engines.megatron:MegatronFSDPEngine", needs_cuda=True,
-            zero=frozenset(ZeroStrategy), outer=frozenset(OuterStrategy), model_parallel=True,
+            zero=frozenset(ZeroStrategy), outer=frozenset(OuterStrategy),
             fp8_params=True, te_fused_optim=True, cuda_graph=True, default_mesh=True,
-            context_parallel=True,
+            # Its own tp/cp mesh dims: TE layers' groups, or replicas over them (the seed's toys);
+            # it averages gradients over dp_shard x cp, so all-gather attention runs too.
+            tp_modes=frozenset({"te", "replicate"}), cp_modes=frozenset({"te", "replicate", "allgather"}),
             own_keys=frozenset({"keep_fp8_transpose_cache", "use_decoupled_grad", "report_nan_in_param_grad",
                                 "nccl_ub", "fsdp_double_buffer"}),
         ),
@@ -50,11 +50,11 @@ ENGINES: Dict[str, EngineCaps] = {
             # its sharded parameters are the main weights, so they must be wide.
             name="fsdp2", target="mfsdp_launch.engines.fsdp2:FSDP2Engine", needs_cuda=False,
             zero=frozenset({ZeroStrategy.no_shard, ZeroStrategy.optim_grads, ZeroStrategy.optim_grads_params}),
-            outer=frozenset({OuterStrategy.no_shard}), model_parallel=False, fp8_params=False,
+            outer=frozenset({OuterStrategy.no_shard}), fp8_params=False,
             te_fused_optim=False, cuda_graph=False, default_mesh=False,
             main_params_dtypes=frozenset({None, *WIDE_DTYPES}), why_not="use engine=megatron_fsdp",
-            dtensor_tp=True,  # a 2-D mesh: FSDP over dp (x cp), DTensor TP over tp
-            context_parallel=True,  # shards over the flattened dp_shard_cp dim
+            # A 2-D mesh: FSDP over dp (x cp, the flattened dp_shard_cp dim), DTensor TP over tp.
+            tp_modes=frozenset({"dtensor"}), cp_modes=frozenset({"allgather"}),
         ),
     )
 }

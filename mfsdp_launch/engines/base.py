@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..globs import check_globs_match, matching
+from ..core.globs import check_globs_match, matching
 
 
 class Engine(ABC):

@@ -5,7 +5,7 @@ params from forward to backward; no_shard = replicate (HSDP with shard size 1). 
 HFSDP are refused by validation: FSDP2 cannot express them.
 
 With mesh.tp > 1 the model arrives with DTensor parameters on the mesh's tp dim
-(models/parallelize.py); FSDP2 shards them over the dp dims, a 2-D (dp, tp) layout, as torchtitan.
+(models/llama/tensor_parallel.py); FSDP2 shards them over the dp dims, a 2-D (dp, tp) layout, as torchtitan.
 DCP saves them in their global shapes, so a checkpoint resumes at any other tp.
 With mesh.cp > 1 the shard dim is the flattened dp_shard x cp ("dp_shard_cp"), as torchtitan.
 """
@@ -17,9 +17,9 @@ from typing import Any, Dict
 
 import torch
 
-from ..config.sharding import ZeroStrategy
+from ..core.sharding import ZeroStrategy
 from ..mesh import replicate_mesh
-from ..precision import torch_dtype
+from ..components.precision import torch_dtype
 from .base import Engine
 
 

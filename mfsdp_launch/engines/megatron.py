@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
-from ..optim import set_lr
-from ..precision import torch_dtype
+from ..core.errors import ConfigError
+from ..components.optim import set_lr
+from ..components.precision import torch_dtype
 from .base import Engine, local_tensor
 from .megatron_plan import MegatronPlan, plan_megatron_fsdp
 from .te_state import TE_EXTRA_STATE, load_te_extra_state, te_extra_state
@@ -102,7 +102,7 @@ class MegatronFSDPEngine(Engine):
                               f"FSDP unit ({', '.join(c.__name__ for c in units) or 'none given'}); "
                               "ZeRO-3 needs at least one", "class names of the model's blocks")
         _cast_model(model, torch_dtype(plan.compute_dtype))
-        from ..models.te_modules import tp_group_of
+        from ..models.llama.te_modules import tp_group_of
 
         self._te_tp_group = tp_group_of(model)
         policy = mfsdp.MixedPrecisionPolicy(
@@ -186,7 +186,7 @@ class MegatronFSDPEngine(Engine):
     def _grads(self, model, tp_sharded: Optional[bool] = None) -> List[torch.Tensor]:
         """Local gradient shards; `tp_sharded` picks TE's tensor-parallel shards (True) or the
         parameters replicated over tp (False)."""
-        from ..models.te_parallel import is_tp_sharded
+        from ..models.llama.te_parallel import is_tp_sharded
 
         out = []
         for p in unwrap(model).parameters():
@@ -199,7 +199,7 @@ class MegatronFSDPEngine(Engine):
         return out
 
     def tp_group(self):
-        """The tp group of a model with TE tensor-parallel layers (models/te_parallel.py), else None
+        """The tp group of a model with TE tensor-parallel layers (models/llama/te_parallel.py), else None
         (the seed's toys replicate over tp)."""
         return self._te_tp_group
 
@@ -223,7 +223,7 @@ class MegatronFSDPEngine(Engine):
             grads = self._grads(m)
             sq = self._square_norm(grads)
         else:
-            from ..models.te_parallel import sync_sequence_parallel_grads
+            from ..models.llama.te_parallel import sync_sequence_parallel_grads
 
             # Norm weights under sequence parallelism saw 1/tp of the tokens: sum them first.
             sync_sequence_parallel_grads(m.parameters(), tp_group, self._grad_attr())

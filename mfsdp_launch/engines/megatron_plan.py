@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
 
-from ..config.dtypes import Dtype
-from ..config.sharding import OuterStrategy, ZeroStrategy, check_sharding
+from ..core.dtypes import Dtype
+from ..core.sharding import OuterStrategy, ZeroStrategy, check_sharding
 
 
 @dataclass(frozen=True)

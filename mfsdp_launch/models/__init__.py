@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from ..errors import ConfigError
-from . import custom, gpt, hf, te_gpt, toys
+from ..core.errors import ConfigError
+from .custom import family as custom
+from .llama import gpt, te_gpt
+from .hf import family as hf
+from .toys import family as toys
 from .family import ModelContext, ModelFamily, ModelSpec
 
 FAMILIES: Dict[str, ModelFamily] = {f.name: f for f in (gpt.FAMILY, te_gpt.FAMILY, *toys.FAMILIES,
@@ -25,11 +28,11 @@ def family(name: str) -> ModelFamily:
 
 def build_model_spec(model_cfg, seq_len: int, tp: int = 1) -> ModelSpec:
     """The family's ModelSpec, with `model.fsdp_unit_modules` overriding its unit modules. `tp`
-    reaches the families that build tensor-parallel layers (`te_tp`)."""
+    reaches the families that build tensor-parallel layers (TE's)."""
     from .family import resolve_unit_modules
 
     fam = family(str(model_cfg.name))
-    spec = fam.spec(model_cfg, seq_len, tp=tp) if fam.te_tp and tp > 1 else fam.spec(model_cfg, seq_len)
+    spec = fam.spec_for(model_cfg, seq_len, tp=tp)
     if model_cfg.fsdp_unit_modules:
         spec.unit_modules = resolve_unit_modules(model_cfg.fsdp_unit_modules)
     return spec

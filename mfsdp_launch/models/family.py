@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +33,37 @@ class ModelContext:
     fp8_skip: Sequence[str] = ()
     data_name: str = "synthetic"
     engine: str = ""  # engine.name ("" when the caller does not say)
+
+
+class Parallel:
+    """How a family uses one mesh dimension (tp or cp) when its degree is above 1."""
+
+    NONE = "none"  # it cannot: refused
+    REPLICATE = "replicate"  # every rank of the group computes the same (the seed's toys, engine's own mesh)
+    DTENSOR = "dtensor"  # tp: a DTensor plan on torch layers (models/llama/tensor_parallel.py)
+    ALLGATHER = "allgather"  # cp: attention all-gathers K/V over cp (models/llama/context_parallel.py)
+    TE = "te"  # inside Transformer Engine layers, on the engine's tp/cp groups (models/llama/te_parallel.py)
+
+    SPLITTING = frozenset({DTENSOR, ALLGATHER, TE})  # the group's ranks hold different parts
+
+
+@dataclass(frozen=True)
+class Support:
+    """A family's answer for one engine: what it does with tp, cp, activation checkpointing and
+    document masks. Validation, the memory estimate and the runtime all read this one answer."""
+
+    tp: str  # a Parallel mode; NONE where the family has none or the engine does not take it
+    cp: str
+    activation_checkpointing: bool
+    doc_mask: bool
+
+    @property
+    def splits_over_tp(self) -> bool:
+        return self.tp in Parallel.SPLITTING
+
+    @property
+    def splits_sequence(self) -> bool:
+        return self.cp in Parallel.SPLITTING
 
 
 @dataclass
@@ -63,23 +94,39 @@ class ModelFamily:
     name = ""
     uses_tokens = True
     has_te_layers = False  # FP8 recipes act on TE layers only
-    # Takes a mesh with tp/cp > 1. The seed's toys replicate over those dims (every rank of a
-    # TP/CP group sees the same batch), so they accept them.
-    model_parallel = False
+    # What it does with mesh.tp / mesh.cp above 1 (a Parallel mode); an engine takes some modes
+    # (engines/__init__.py), and `support` pairs the two.
+    tp_mode = Parallel.NONE
+    cp_mode = Parallel.NONE
     attention = True  # has attention heads that tp must divide
-    # Its numbers come from a meta-device build in a short-lived process (models/custom.py, hf.py):
+    # Its numbers come from a meta-device build in a short-lived process (models/custom.py, models/hf/__init__.py):
     # unit sizes are measured, and name globs were checked there.
     measured = False
     activation_checkpointing = False  # has blocks that model.activation_checkpointing can wrap
-    dtensor_tp = False  # tensor parallel through DTensor (models/parallelize.py)
-    # Tensor parallel inside its Transformer Engine layers (models/te_parallel.py): `spec` takes the
-    # tp degree (TE builds local shards), the engine's tp mesh dim shards nothing more.
-    te_tp = False
-    # Splits each sequence over mesh.cp (batches per models/cp_layout.py; attention across ranks in
-    # models/context_parallel.py, or TE's own for te_tp families).
-    context_parallel: bool = False
     # Its loss passes a batch's "doc_ids" (data.doc_mask) on to a forward that masks attention per document.
     doc_mask = False
+
+    def support(self, engine) -> Support:
+        """What this family does under `engine` (an EngineCaps): its modes where the engine takes them."""
+        return Support(tp=self.tp_mode if self.tp_mode in engine.tp_modes else Parallel.NONE,
+                       cp=self.cp_mode if self.cp_mode in engine.cp_modes else Parallel.NONE,
+                       activation_checkpointing=self.activation_checkpointing, doc_mask=self.doc_mask)
+
+    def parallelize(self, model: "nn.Module", m, dims, mesh) -> None:
+        """Tensor parallelism, context parallelism, then activation checkpointing, in place, on the
+        built model before the engine shards it (torchtitan's parallelize_llama order). Validation
+        let only what `support` answered reach here."""
+        self.apply_activation_checkpointing(model, m)
+
+    def apply_activation_checkpointing(self, model: "nn.Module", m) -> None:
+        if str(m.activation_checkpointing) != "none":
+            from .activation_checkpoint import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model, m.activation_checkpointing, m.ac_every)
+
+    def spec_for(self, m, seq_len: int, tp: int = 1) -> ModelSpec:
+        """The ModelSpec for a mesh of `tp`: families that build tensor-parallel layers (TE) take it."""
+        return self.spec(m, seq_len)
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         """Refuse (ConfigError) what this family cannot run; return warnings."""
@@ -108,7 +155,7 @@ class ModelFamily:
         raise NotImplementedError
 
     def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> dict:
-        """The memory estimate's activation lines (memory.py); LLM families split off the logits."""
+        """The memory estimate's activation lines (planner/memory.py); LLM families split off the logits."""
         return {"activations": self.activation_bytes(m, micro_batch_size, seq_len, bytes_per_el), "logits": 0}
 
     def largest_unit_params(self, m) -> int:

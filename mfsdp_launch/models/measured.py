@@ -1,12 +1,12 @@
 """Families whose numbers are measured, not derived: `custom` and `hf` build the model on the meta
-device in a short-lived process (hf/probe.py) and read parameter count, matmul weights, units and
+device in a short-lived process (models/probe.py) and read parameter count, matmul weights, units and
 vocabulary off it. The launcher never imports torch or the user's code for them."""
 
 from __future__ import annotations
 
-from ..hf import probe as P
+from . import probe as P
 from .family import ModelFamily
-from .llama_dims import lm_flops_per_token
+from .llama.dims import lm_flops_per_token
 
 
 class MeasuredFamily(ModelFamily):

@@ -35,7 +35,7 @@ def meta_names_isolated(model_cfg_dict: dict, seq_len: int) -> Optional[Tuple[Li
     if not te_installed():
         return None
     code = ("import json, sys\n"
-            "from mfsdp_launch.config.schema import ModelConfig\n"
+            "from mfsdp_launch.core.schema import ModelConfig\n"
             "from mfsdp_launch.models.meta import meta_names\n"
             "spec = json.loads(sys.argv[1])\n"
             "print(json.dumps(meta_names(ModelConfig(**spec['model']), spec['seq_len'])))\n")

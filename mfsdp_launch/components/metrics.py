@@ -1,0 +1,123 @@
+"""Throughput, MFU and memory, written as one JSON line per logged step (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..core import rundir
+from ..core.hardware import peak_tflops_for
+
+
+def device_peak_tflops(device: torch.device, configured: Optional[float]) -> tuple[Optional[float], str]:
+    """(peak, where it came from). MFU is null rather than guessed when the device is unknown."""
+    if configured:
+        return float(configured), "train.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = peak_tflops_for(name)
+        return peak, (f"{name} dense bf16" if peak else f"unknown device {name!r}")
+    return None, "a CPU has no known peak"
+
+
+def peak_reserved_gib(device: torch.device) -> Optional[float]:
+    """The caching allocator's reserved peak (what runs out first; planner/memory.py aims at it); None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 1024**3 if device.type == "cuda" else None
+
+
+def alloc_retries(device: torch.device) -> Optional[int]:
+    """How often the caching allocator had to free its cache and retry a cudaMalloc so far: a
+    count that grows every step means memory is nearly full and the steps slow down."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    # CPU: the process's peak resident set size (KiB on Linux, bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024**3 if sys.platform == "darwin" else 1024**2)
+
+
+class MetricsWriter:
+    """Rank 0 writes metrics.jsonl, prints log lines and (optionally) TensorBoard scalars and
+    W&B / MLflow rows (`logging_cfg`: the config's `logging` section; see trackers)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = False, start_step: int = 0,
+                 logging_cfg=None):
+        self.enabled = enabled
+        self.path = Path(run_dir) / rundir.METRICS
+        self._tb = None
+        self._trackers = None
+        if enabled and logging_cfg is not None:
+            from .trackers import open_trackers
+
+            self._trackers = open_trackers(logging_cfg, run_dir, resumed_step=start_step) or None
+        if enabled:
+            self._drop_rows_after(start_step)
+            self._file = open(self.path, "a", buffering=1)
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                except ImportError:
+                    print("mfsdp-train: warning: logging.tensorboard=true but tensorboard is not installed",
+                          file=sys.stderr)
+
+    def _drop_rows_after(self, step: int) -> None:
+        """On resume, rows past the checkpoint were never committed: drop them so steps stay unique."""
+        if not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step", 0) <= step:
+                keep.append(line)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        tmp.replace(self.path)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        if self._trackers is not None:
+            self._trackers.log(row)
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step" and v is not None:
+                    self._tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        if self._trackers is not None:
+            self._trackers.close()
+            self._trackers = None
+        if self.enabled:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+class StepTimer:
+    """Wall time per step; synchronizes CUDA only when a time is read (at log steps)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t0 = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        dt, self.t0 = now - self.t0, now
+        return dt

@@ -1,0 +1,354 @@
+"""Typed config schema. Hydra merges YAML onto these dataclasses, so an unknown key or a wrongly
+typed value is an error at composition time, and an Enum field names its allowed values.
+
+Torch-free: the launcher, the dry run and validation use it.
+"""
+
+from __future__ import annotations
+
+from .choice import Choice
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from .dtypes import Dtype
+from .fp8 import FP8Format, FP8Recipe
+from .sharding import OuterStrategy, ZeroStrategy
+
+
+class Backend(Choice):
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Dataset(Choice):
+    synthetic = "synthetic"
+    text = "text"
+    tokens = "tokens"
+
+
+class Pack(Choice):
+    windows = "windows"
+    documents = "documents"
+
+
+class ResumeMode(Choice):
+    auto = "auto"
+    must = "must"
+    never = "never"
+
+
+class CudaGraphMode(Choice):
+    none = "none"
+    full_iteration = "full_iteration"
+
+
+class OptimImpl(Choice):
+    torch = "torch"
+    te_fused = "te_fused"
+
+
+class ACMode(Choice):
+    """model.activation_checkpointing: which transformer blocks recompute their forward in backward."""
+
+    none = "none"
+    full = "full"  # every block
+    selective = "selective"  # every model.ac_every-th block
+
+
+class LossKernel(Choice):
+    """model.loss_kernel (gpt, te_gpt): how the next-token cross-entropy runs."""
+
+    torch = "torch"  # F.cross_entropy on fp32 logits
+    te_fused = "te_fused"  # TE's fused kernel on the bf16 logits (CUDA): no fp32 copy, fewer kernels
+
+
+class LauncherKind(Choice):
+    torchrun = "torchrun"
+    slurm = "slurm"
+
+
+@dataclass
+class MeshConfig:
+    # `nodes`: one outer replica per node (launcher.nnodes), so HSDP/HFSDP shards within a node,
+    # over NVLink, and reduces across nodes; on one node that is plain FSDP.
+    dp_outer: Any = 1
+    dp_shard: int = -1  # -1: infer from the world size
+    cp: int = 1
+    tp: int = 1
+    # false: let Megatron-FSDP build its own default mesh (the seed's "ez" path).
+    enabled: bool = True
+
+
+@dataclass
+class EngineConfig:
+    name: str = "fsdp2"
+    # Distributed backend; null picks nccl when CUDA is present, else gloo.
+    backend: Optional[Backend] = None
+    report_nan_in_param_grad: bool = False
+    # Megatron-FSDP only: overlap/communication knobs passed through to fully_shard_model.
+    keep_fp8_transpose_cache: bool = False
+    use_decoupled_grad: bool = False
+    # Every microbatch all-reduces/reduce-scatters when true; else only the last one does.
+    sync_every_microbatch: bool = False
+    # Megatron-FSDP only: NCCL user buffers (symmetric registration: all-gather / reduce-scatter on
+    # ~5 SMs instead of ~20, so overlapped GEMMs keep theirs; needs torch >= 2.11 and megatron-core
+    # or apex, whose allocator also sets NCCL_NVLS_ENABLE=1). Turns on fsdp_double_buffer:
+    # persistent communication buffers, more memory. Not measured here (docs/performance.md).
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+
+
+@dataclass
+class ShardingConfig:
+    # A name or its number (0-3 / 0-1).
+    zero_dp_strategy: ZeroStrategy = ZeroStrategy.optim_grads_params
+    outer_dp_sharding_strategy: OuterStrategy = OuterStrategy.no_shard
+
+
+@dataclass
+class PrecisionConfig:
+    # null: fp32 (resolved before the config is frozen).
+    compute_dtype: Optional[Dtype] = Dtype.fp32
+    main_params_dtype: Optional[Dtype] = Dtype.fp32
+    main_grads_dtype: Optional[Dtype] = None
+    grad_comm_dtype: Optional[Dtype] = None
+
+
+@dataclass
+class FP8Config:
+    recipe: FP8Recipe = FP8Recipe.none
+    format: FP8Format = FP8Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    # Quantized (FP8) parameters via TE quantized_model_init.
+    params: bool = False
+    # Module-name globs that stay in high precision (first/last layers, the head).
+    skip: List[str] = field(default_factory=list)
+    # FP8 dot-product attention (TE's fp8_dpa, beta there): cuDNN runs QK^T, softmax and PV with FP8
+    # inputs. Delayed or current scaling; trades attention accuracy for speed at long sequences.
+    attention: bool = False
+
+
+class ModelLoss(Choice):
+    """model=custom: how a batch becomes the loss (docs/models.md, "Batch contract")."""
+
+    auto = "auto"  # `model` when forward takes `labels`, else `cross_entropy`
+    cross_entropy = "cross_entropy"  # forward(input_ids) -> logits
+    model = "model"  # forward(input_ids, labels) -> scalar loss
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"
+    # gpt/te_gpt size preset; dims below override it when set.
+    preset: str = "tiny"
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    vocab_size: Optional[int] = None
+    tie_embeddings: Optional[bool] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Toy models: output dim and TE options, as in the seed.
+    output_dim: Optional[int] = None
+    fuse_qkv: bool = False
+    # TE models: null follows precision.compute_dtype (resolved).
+    params_dtype: Optional[Dtype] = None
+    init_on_meta: bool = False
+    # Globs over parameter names; matches get requires_grad=False and no optimizer state.
+    freeze: List[str] = field(default_factory=list)
+    # Dotted class names overriding the factory's FSDP unit modules.
+    fsdp_unit_modules: List[str] = field(default_factory=list)
+    # none | full (every block) | selective (every ac_every-th block); models/activation_checkpoint.py.
+    activation_checkpointing: ACMode = ACMode.none
+    ac_every: int = 2
+    loss_kernel: LossKernel = LossKernel.torch
+    # model=custom (models/custom.py): `pkg.module:function` building the nn.Module, its keyword
+    # arguments, an optional `pkg.module:fn(model)` initializing it, and the batch contract.
+    # kwargs/hf_config are `Any` (a mapping, checked by the family): a typed Dict field would be
+    # struct-locked by Hydra, refusing `model.kwargs={dim: 512}` as unknown keys.
+    target: Optional[str] = None
+    kwargs: Any = None
+    init_fn: Optional[str] = None
+    loss: ModelLoss = ModelLoss.auto
+    # model=hf (models/hf.py): a local HF directory, or a config dict plus the class name.
+    path: Optional[str] = None
+    hf_config: Any = None
+    hf_class: Optional[str] = None
+    pretrained: bool = False  # load model.path's safetensors into the sharded model
+    # gpt/te_gpt: start from a Llama-layout HF directory (dims from its config.json).
+    init_from: Optional[str] = None
+
+
+@dataclass
+class OptimConfig:
+    impl: OptimImpl = OptimImpl.torch
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    # Cosine decay length; null: train.steps.
+    decay_steps: Optional[int] = None
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over steps start..start+steps-1: a trace per rank in run.dir/profile/."""
+
+    start: int = 10
+    steps: int = 0  # 0: off
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    seq_len: int = 256
+    log_interval: int = 10
+    compile: bool = False
+    seed: int = 1234
+    grad_clip: Optional[float] = 1.0
+    cuda_graph: CudaGraphMode = CudaGraphMode.none
+    progress: bool = True
+    # Device peak in TFLOP/s for MFU; null looks the device up, and MFU is null if unknown.
+    peak_tflops: Optional[float] = None
+    # Hang diagnosis: when no step completes for this many seconds, every rank prints all its
+    # threads' Python stacks to stderr (again every period while stalled). null: off.
+    stall_dump_s: Optional[float] = None
+    # Validation (needs data.val_fraction or data.val_sources): every val_interval steps (0: only
+    # at the end; a final validation always runs), val_steps micro-batches per rank each time.
+    val_interval: int = 0
+    val_steps: int = 10
+    # e.g. {start: 10, steps: 3} or train.profile.steps=3: profile those steps (components/profiling.py);
+    # steps 0 or null: off. (A node, not a None default: Hydra cannot merge a mapping into None.)
+    profile: Optional[ProfileConfig] = field(default_factory=ProfileConfig)
+
+
+@dataclass
+class DataSource:
+    # A prepared dir (manifest.json), a Megatron PREFIX(.bin/.idx), a flat .bin, or a glob of these.
+    path: Optional[str] = None
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    name: Dataset = Dataset.synthetic
+    # text: a file, directory or glob; null uses the Python standard library's sources.
+    path: Optional[str] = None
+    tokenizer: Optional[str] = None  # text: path to a local tokenizer.json; null: bytes
+    cache_dir: Optional[str] = None
+    max_bytes: int = 64_000_000  # text
+    # tokens: token corpora mixed by weight (docs/data.md).
+    sources: List[DataSource] = field(default_factory=list)
+    # text|tokens: samples start anywhere (windows) or at document starts (documents).
+    pack: Pack = Pack.windows
+    # text|tokens, model=gpt: attention stays inside each document of a sample.
+    doc_mask: bool = False
+    # tokens: split flat .bin sources into documents after this token id.
+    eos_id: Optional[int] = None
+    # Held-out data for validation: the last fraction of each source (text|tokens), or other sources (tokens).
+    val_fraction: float = 0.0
+    val_sources: List[DataSource] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # 0: only the final save
+    keep_last: int = 3
+    async_save: bool = False
+    resume: ResumeMode = ResumeMode.auto
+    load_step: Optional[int] = None
+    load_path: Optional[str] = None
+    load_weights_only: bool = False
+    save_final: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    dir: str = "runs/${run.name}"
+
+
+@dataclass
+class LauncherConfig:
+    kind: LauncherKind = LauncherKind.torchrun
+    # A number, or `auto`: every visible GPU (2 processes on a CPU machine); resolve.py makes it a number.
+    nproc_per_node: Any = 1
+    # Filled by resolve when nproc_per_node was auto: what it found (the dry run and config.yaml show it).
+    nproc_auto: Optional[str] = None
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: Optional[str] = None
+    max_restarts: int = 0
+    dry_run: bool = False
+    # slurm: write (and with submit=true, submit) an sbatch script.
+    submit: bool = False
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time_limit: str = "04:00:00"
+    gpus_per_node: Optional[int] = None
+    # Start even when the memory estimate (planner/memory.py) exceeds the GPU's memory.
+    force_memory: bool = False
+
+
+class WandbMode(Choice):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (the `wandb` extra); a resume re-attaches to the run id kept in run.dir."""
+
+    enabled: bool = False
+    project: str = "mfsdp-launch"
+    entity: Optional[str] = None
+    mode: WandbMode = WandbMode.offline
+    name: Optional[str] = None  # null: run.name
+    tags: List[str] = field(default_factory=list)
+    dir: Optional[str] = None  # null: run.dir
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (the `mlflow` extra); null tracking_uri: a file store in run.dir/mlruns."""
+
+    enabled: bool = False
+    tracking_uri: Optional[str] = None
+    experiment: str = "mfsdp-launch"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+
+@dataclass
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

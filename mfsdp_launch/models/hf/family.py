@@ -1,0 +1,142 @@
+"""Family `hf`: a Hugging Face causal LM from a local directory (`model.path`) or a config dict
+(`model.hf_config` + `model.hf_class`), optionally with its pretrained safetensors weights
+(`model.pretrained=true`, read slice by slice into the sharded model). The rules live in
+models/hf/family/model.py and models/hf_weights.py; docs/models.md has the user's view.
+
+As for `custom`, the launcher's checks and sizes come from one meta-device build in a short-lived
+process (models/probe.py). Without transformers, `model=hf` is one line naming the extra.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import List
+
+from ...core.errors import ConfigError
+from .. import probe as P
+from ..custom.family import GPT_DIM_KEYS, refuse_keys
+from ..family import ModelContext, ModelSpec, find_module
+from ..measured import MeasuredFamily
+
+PROBE = "mfsdp_launch.models.hf.family:probe_hf"
+
+
+class HFFamily(MeasuredFamily):
+    name = "hf"
+
+    def probe(self, m) -> dict:
+        from .model import INSTALL_HINT, check_model_path
+
+        if importlib.util.find_spec("transformers") is None:
+            raise ConfigError("model", f"model=hf needs transformers, which is not installed ({INSTALL_HINT})")
+        if m.path is not None:
+            check_model_path(m.path)  # torch-free: a hub name or a directory without config.json
+        if m.pretrained and m.path is None:
+            raise ConfigError("model.pretrained", "true needs model.path, the directory holding the weights")
+        if m.hf_config is not None and not hasattr(m.hf_config, "keys"):
+            raise ConfigError("model.hf_config", f"must be a mapping of config fields, got {m.hf_config!r}")
+        return P.probe(PROBE, m, crash_key="model.path" if m.path is not None else "model.hf_config")
+
+    def check(self, m, ctx: ModelContext) -> List[str]:
+        refuse_keys(m, GPT_DIM_KEYS + ("vocab_size",), "model=hf takes its dims from its config")
+        self.probe(m)
+        return []
+
+    def n_heads(self, m):
+        return self.probe(m)["n_heads"]
+
+    def shape(self, m) -> dict:
+        p = self.probe(m)
+        return {"hf_class": p["hf_class"], "params": p["num_params"], "param_shapes": p["param_digest"]}
+
+    def describe(self, m, seq_len: int) -> str:
+        p = self.probe(m)
+        source = f"from {m.path}" + (" (pretrained)" if m.pretrained else "") if m.path else "from model.hf_config"
+        return (f"hf {p['hf_class']} {source} ({p['unit_count']} units; vocab={p['vocab_size']}) "
+                + super().describe(m, seq_len).split(" ", 1)[1])
+
+    def _source(self, m):
+        from .model import resolve_hf_model
+
+        return resolve_hf_model(path=m.path, hf_config=P.model_dict(m.hf_config) if m.hf_config else None,
+                                hf_class=m.hf_class)
+
+    def spec(self, m, seq_len: int) -> ModelSpec:
+        from . import model as H
+        from ..custom.user_model import cross_entropy_loss
+        from ...components.precision import torch_dtype
+        from ..family import resolve_unit_modules
+
+        p, src, dtype = self.probe(m), self._source(m), torch_dtype(m.params_dtype)
+
+        def build():
+            model = H.build_hf_model(src, dtype)
+            if any(t.is_meta for t in model.parameters()):
+                H.support_module_init(model)
+            return model
+
+        return ModelSpec(name=self.name, build=build, unit_modules=resolve_unit_modules(p["unit_classes"]),
+                         loss=cross_entropy_loss, init_weights=lambda model: H.init_hf_weights(find_module(model, src.cls)),
+                         uses_tokens=True, synthetic_batch=None, tokens_per_sample=seq_len,
+                         num_params=p["num_params"], flops_per_token=self.flops_per_token(m, seq_len),
+                         vocab_size=p["vocab_size"])
+
+    def load_weights(self, m, model, engine) -> None:
+        if not m.pretrained:
+            return
+        from ..hf_weights import announce, load_into_model
+
+        report = load_into_model(model, m.path, engine=engine, key="model.pretrained")
+        announce(report, key="model.pretrained", source=m.path)
+
+
+# ------------------------------------------------------------------ the probe (imports torch)
+
+
+def probe_hf(d: dict) -> dict:
+    """Resolve and build the HF model on the meta device; check units, weights and freeze globs."""
+    from types import SimpleNamespace
+
+    from ...core.globs import check_globs_match
+    from . import model as H
+    from ..custom.user_model import build_on_meta, resolve_unit_classes
+
+    m = SimpleNamespace(**d)
+    src = H.resolve_hf_model(path=m.path, hf_config=m.hf_config or None, hf_class=m.hf_class)
+    model = build_on_meta(lambda: H.build_hf_model(src))
+    units = resolve_unit_classes(m.fsdp_unit_modules, model) if m.fsdp_unit_modules else H.unit_module_classes(model)
+    if m.pretrained:
+        _check_weights(model, src.path)
+    out = P.measure(model, units)
+    if m.freeze:
+        check_globs_match("model.freeze", m.freeze, out["param_names"], "parameter")
+    summary = H.model_summary(src)
+    out.update(hf_class=src.class_name, vocab_size=summary["vocab_size"], n_heads=summary["n_heads"])
+    return out
+
+
+def _check_weights(model, hf_dir) -> None:
+    """Every parameter (a tied group once) is in the safetensors with its shape: read from the
+    file headers only."""
+    from safetensors import safe_open
+
+    from ..hf_weights import weight_files
+
+    files = weight_files(hf_dir, key="model.pretrained")
+    shapes = {}
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    groups = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(t), []).append((name, tuple(t.shape)))
+    for names in groups.values():
+        held = [n for n, _ in names if n in shapes]
+        if not held:
+            raise ConfigError("model.pretrained", f"{hf_dir} has no weights for {names[0][0]}")
+        if shapes[held[0]] != names[0][1]:
+            raise ConfigError("model.pretrained", f"{held[0]} has shape {list(shapes[held[0]])} in {hf_dir}, "
+                              f"the model needs {list(names[0][1])}")
+
+
+FAMILY = HFFamily()

@@ -1,0 +1,234 @@
+"""The LLaMA-style architecture shared by `gpt` and `te_gpt`: presets, dimensions, exact parameter
+counts, FLOPs and activation bytes, in pure Python (the dry run and validation use it without
+torch). Counts are checked against the real modules in tests/test_models.py.
+
+Presets (exact counts from `param_count`, vocab 32000 untied unless noted):
+
+| preset | dim  | layers | heads (kv) | ffn   | vocab  | tied | params        |
+|--------|------|--------|------------|-------|--------|------|---------------|
+| tiny   | 64   | 2      | 4          | 192   | 256    | no   | 139,584       |
+| small  | 384  | 8      | 6          | 1024  | 8192   | no   | 20,453,760    |
+| 125m   | 768  | 12     | 12         | 2048  | 32000  | no   | 134,105,856   |
+| 350m   | 1024 | 24     | 16         | 2816  | 32000  | no   | 373,867,520   |
+| 760m   | 1536 | 24     | 16         | 4096  | 32000  | no   | 777,856,512   |
+| 1.4b   | 2048 | 24     | 16         | 5632  | 32000  | no   | 1,364,297,728 |
+| 2b     | 4096 | 8      | 32         | 11008 | 32000  | no   | 1,881,214,976 |
+| 3b     | 3072 | 28     | 24 (8)     | 8192  | 128256 | yes  | 3,212,749,824 |
+| 8b     | 4096 | 32     | 32 (8)     | 14336 | 128256 | no   | 8,030,261,248 |
+
+`3b` is Llama-3.2-3B-like and `8b` Llama-3.1-8B-like (their rope_theta is 500000; ours comes from
+`model.rope_theta`, default 10000).
+"""
+
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict
+
+from ...core.errors import ConfigError
+
+# Only the fields a preset pins; the rest come from ModelConfig or the derivation rules below.
+GPT_PRESETS: Dict[str, Dict[str, Any]] = {
+    # Trains in seconds on a CPU: byte-level vocab, two small layers.
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, vocab_size=256, tie_embeddings=False),
+    "small": dict(dim=384, n_layers=8, n_heads=6, vocab_size=8192, tie_embeddings=False),
+    "125m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=False),
+    "350m": dict(dim=1024, n_layers=24, n_heads=16, vocab_size=32000, tie_embeddings=False),
+    "760m": dict(dim=1536, n_layers=24, n_heads=16, vocab_size=32000, tie_embeddings=False),
+    # The "GPT d=2048, 24 layers" of our benchmarks.
+    "1.4b": dict(dim=2048, n_layers=24, n_heads=16, vocab_size=32000, tie_embeddings=False),
+    # Wide and shallow: big GEMMs, the TE benchmark shape.
+    "2b": dict(dim=4096, n_layers=8, n_heads=32, vocab_size=32000, tie_embeddings=False),
+    "3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
+               vocab_size=128256, tie_embeddings=True),
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+               vocab_size=128256, tie_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class GPTDims:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool
+    norm_eps: float
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def shape(self) -> dict:
+        """The fields that decide the saved tensors' shapes (recorded in checkpoint manifests)."""
+        return {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                              "vocab_size", "tie_embeddings")}
+
+
+def llama_ffn_dim(dim: int) -> int:
+    """LLaMA's SwiGLU hidden size: 2/3 of 4*dim, rounded up to 256 (64 below dim 1024)."""
+    multiple = 256 if dim >= 1024 else 64
+    return multiple * math.ceil(int(8 * dim / 3) / multiple)
+
+
+def resolve_gpt_dims(model_cfg: Any) -> GPTDims:
+    """Preset values overridden by the non-null ModelConfig fields, then checked (ConfigError).
+
+    An explicit preset ffn_dim (3b, 8b) only applies while `dim` is the preset's; otherwise the
+    LLaMA rule derives it from the dim in use. n_kv_heads defaults to n_heads (plain MHA).
+    """
+    preset_name = str(model_cfg.preset)
+    if preset_name not in GPT_PRESETS:
+        raise ConfigError("model.preset", f"unknown preset {preset_name!r}", list(GPT_PRESETS))
+    preset = GPT_PRESETS[preset_name]
+
+    def pick(field: str) -> Any:
+        value = getattr(model_cfg, field, None)
+        return preset.get(field) if value is None else value
+
+    dim = int(pick("dim"))
+    n_heads = int(pick("n_heads"))
+    n_kv_heads = getattr(model_cfg, "n_kv_heads", None)
+    if n_kv_heads is None:
+        n_kv_heads = preset.get("n_kv_heads", n_heads)
+        # A preset's kv heads (8) that no longer divide overridden heads fall back to MHA.
+        if n_heads % n_kv_heads:
+            n_kv_heads = n_heads
+    ffn_dim = getattr(model_cfg, "ffn_dim", None)
+    if ffn_dim is None:
+        ffn_dim = preset["ffn_dim"] if "ffn_dim" in preset and dim == preset["dim"] else llama_ffn_dim(dim)
+    dims = GPTDims(
+        dim=dim, n_layers=int(pick("n_layers")), n_heads=n_heads, n_kv_heads=int(n_kv_heads),
+        ffn_dim=int(ffn_dim), vocab_size=int(pick("vocab_size")), tie_embeddings=bool(pick("tie_embeddings")),
+        norm_eps=float(getattr(model_cfg, "norm_eps", 1e-5)),
+        rope_theta=float(getattr(model_cfg, "rope_theta", 10000.0)),
+    )
+    check_gpt_dims(dims)
+    return dims
+
+
+def check_gpt_dims(d: GPTDims) -> None:
+    for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        if getattr(d, field) <= 0:
+            raise ConfigError(f"model.{field}", f"must be positive, got {getattr(d, field)}")
+    if d.dim % d.n_heads:
+        raise ConfigError("model.dim", f"{d.dim} is not divisible by n_heads={d.n_heads}")
+    if d.n_heads % d.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", f"{d.n_kv_heads} does not divide n_heads={d.n_heads}")
+    if d.head_dim % 2:
+        raise ConfigError("model.dim", f"{d.dim} gives head_dim={d.head_dim} (dim/n_heads), which must be "
+                          "even for RoPE")
+
+
+def layer_params(d: GPTDims) -> int:
+    attn = d.dim * (d.dim + 2 * d.kv_dim) + d.dim * d.dim  # fused qkv + output projection
+    mlp = 3 * d.dim * d.ffn_dim  # SwiGLU: gate, up, down
+    norms = 2 * d.dim
+    return attn + mlp + norms
+
+
+def param_count(d: GPTDims) -> int:
+    """Exact; te_gpt's TransformerLayer (RMSNorm, swiglu, no bias) holds exactly gpt Block's tensors."""
+    embed = d.vocab_size * d.dim
+    head = 0 if d.tie_embeddings else d.vocab_size * d.dim
+    return embed + d.n_layers * layer_params(d) + d.dim + head
+
+
+def matmul_params(d: GPTDims) -> int:
+    """Weights in a matmul per token: every linear incl. the head (also when tied), not the
+    embedding lookup, norms or biases."""
+    return d.n_layers * (layer_params(d) - 2 * d.dim) + d.vocab_size * d.dim
+
+
+def lm_flops_per_token(n_matmul: int, n_layers: int, dim: int, seq_len: int) -> float:
+    """Training FLOPs per token of a decoder LM: 6 * N_matmul + 12 * n_layers * dim * seq_len (PaLM
+    appendix B / torchtitan: the attention term is not halved for the causal mask, so MFU compares
+    with theirs). Activation recomputation is not counted."""
+    return float(6 * n_matmul + 12 * n_layers * dim * seq_len)
+
+
+def flops_per_token(d: GPTDims, seq_len: int) -> float:
+    return lm_flops_per_token(matmul_params(d), d.n_layers, d.dim, seq_len)
+
+
+# Bytes per logit alive when the loss's backward starts (lm_loss: cross-entropy in fp32): the
+# log-softmax output it saved, the gradient arriving at it and the gradient it returns, each fp32.
+LOSS_BYTES_PER_LOGIT = 12
+# model.loss_kernel=te_fused: the bf16 logits, and their bf16 gradient (TE >= 2.20 writes it over
+# the logits; older TE allocates it, so this bounds both).
+FUSED_LOSS_BYTES_PER_LOGIT = 4
+
+
+def loss_bytes_per_logit(loss_kernel) -> int:
+    return FUSED_LOSS_BYTES_PER_LOGIT if str(loss_kernel) == "te_fused" else LOSS_BYTES_PER_LOGIT
+
+
+def checkpointed_count(n_layers: int, activation_checkpointing: str = "none", ac_every: int = 1) -> int:
+    """How many blocks recompute (models/activation_checkpoint.py's rule, counted without torch)."""
+    mode = str(activation_checkpointing)
+    if mode == "full":
+        return n_layers
+    if mode == "selective":
+        return len(range(0, n_layers, max(ac_every, 1)))
+    return 0
+
+
+def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
+                     activation_checkpointing: str = "none", ac_every: int = 1, tp: int = 1,
+                     te_layers: bool = False, loss_kernel: str = "torch") -> dict:
+    """Bytes one rank holds for backward at the start of the backward pass, one micro-batch:
+    {"activations": the blocks and embedding, "logits": the loss's buffers}.
+
+    Per token and block, counted from what autograd saves (calibrated against the measured peaks
+    in bench/memory_reference.json):
+      * torch `gpt`: 7d + 3kv + 4f elements: both norms' input and output (4d), the fused qkv
+        output (d + 2kv; v is a view that keeps it alive), RoPE'd q and k (d + kv), the attention
+        output (d), the fused gate|up output (2f), silu(gate) and its product with up (2f).
+        Under DTensor TP (models/llama/tensor_parallel.py, no sequence parallelism) everything but the
+        norms (4d) splits over tp, and each block keeps its local rows of the two fused weights
+        for backward (a weight-sized copy).
+      * TE `te_gpt` TransformerLayer: 6d + 2kv + 3f (its fused kernels save less); with tp its
+        sequence parallelism splits all of it.
+    A checkpointed block keeps only its input, plus one block's full set while it recomputes.
+    Logits: `loss_bytes_per_logit` per token and vocab entry (the head is whole on every tp rank).
+    """
+    tokens = micro_batch_size * seq_len
+    if te_layers:
+        per_layer, ckpt_in, weights = (6 * d.dim + 2 * d.kv_dim + 3 * d.ffn_dim) / tp, d.dim / tp, 0.0
+    else:
+        per_layer = 4 * d.dim + (3 * d.dim + 3 * d.kv_dim + 4 * d.ffn_dim) / tp
+        ckpt_in = d.dim
+        # The local fused weights torch.cat'ed per forward (tp > 1 only), per token of this micro-batch.
+        weights = (d.dim * (d.dim + 2 * d.kv_dim) + 2 * d.dim * d.ffn_dim) / tp / tokens if tp > 1 else 0.0
+    n_ckpt = checkpointed_count(d.n_layers, activation_checkpointing, ac_every)
+    layers = n_ckpt * ckpt_in + live_blocks(d, activation_checkpointing, ac_every) * (per_layer + weights)
+    return {"activations": int(tokens * (layers + 3 * d.dim) * bytes_per_el),
+            "logits": int(tokens * d.vocab_size * loss_bytes_per_logit(loss_kernel))}
+
+
+def live_blocks(d: GPTDims, activation_checkpointing: str = "none", ac_every: int = 1) -> int:
+    """Blocks whose forward state is alive at the start of backward (one recomputing, if any)."""
+    n_ckpt = checkpointed_count(d.n_layers, activation_checkpointing, ac_every)
+    return d.n_layers - n_ckpt + (1 if n_ckpt else 0)
+
+
+def activation_bytes(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
+                     activation_checkpointing: str = "none", ac_every: int = 1, tp: int = 1,
+                     te_layers: bool = False) -> int:
+    """`activation_parts`, summed."""
+    return sum(activation_parts(d, micro_batch_size, seq_len, bytes_per_el, activation_checkpointing, ac_every,
+                                tp, te_layers).values())
+
+
+def describe(d: GPTDims, preset: str) -> str:
+    return (f"preset={preset} dim={d.dim} layers={d.n_layers} heads={d.n_heads} kv_heads={d.n_kv_heads} "
+            f"ffn={d.ffn_dim} vocab={d.vocab_size} tied={d.tie_embeddings}")

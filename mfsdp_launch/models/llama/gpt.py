@@ -1,0 +1,139 @@
+"""Family `gpt`: the LLaMA-style GPT in plain PyTorch (models/llama/gpt_modules.py)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from ...core.errors import ConfigError
+from . import dims as L
+from ..family import ModelContext, ModelFamily, ModelSpec, Parallel, find_module, loss_for
+
+
+class GPTFamily(ModelFamily):
+    name = "gpt"
+    # model.activation_checkpointing wraps each Block / TE TransformerLayer (models/activation_checkpoint.py).
+    activation_checkpointing = True
+    doc_mask = True  # GPT.forward(input_ids, doc_ids): a block-causal SDPA mask
+    tp_mode = Parallel.DTENSOR  # models/llama/tensor_parallel.py
+    cp_mode = Parallel.ALLGATHER  # models/llama/context_parallel.py
+
+    def parallelize(self, model, m, dims, mesh) -> None:
+        if dims.tp > 1:
+            from .tensor_parallel import parallelize_gpt
+            from .gpt_modules import GPT
+
+            parallelize_gpt(find_module(model, GPT), mesh["tp"])
+        if dims.cp > 1:
+            from .context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, mesh["cp"])
+        self.apply_activation_checkpointing(model, m)
+
+    def dims(self, m) -> L.GPTDims:
+        return L.resolve_gpt_dims(m)
+
+    def check(self, m, ctx: ModelContext) -> List[str]:
+        d = self.dims(m)  # every dimension rule, with the key that breaks it
+        self.check_init_from(m)
+        self.check_tp_dims(d, ctx)
+        return []
+
+    def check_tp_dims(self, d: L.GPTDims, ctx: ModelContext) -> None:
+        """What tp must divide (gpt's DTensor plan and te_gpt's TE layers alike). tp dividing
+        n_heads is validation's generic rule for every family with attention."""
+        if ctx.tp > 1 and d.n_kv_heads % ctx.tp:
+            raise ConfigError("mesh.tp", f"{ctx.tp} does not divide the {d.n_kv_heads} key/value heads of "
+                              f"model={self.name} (model.n_kv_heads)", "a divisor of model.n_kv_heads")
+        if ctx.tp > 1 and d.ffn_dim % ctx.tp:
+            raise ConfigError("mesh.tp", f"{ctx.tp} does not divide model.ffn_dim={d.ffn_dim}")
+        if ctx.tp > 1 and ctx.seq_len % (ctx.cp * ctx.tp):
+            # Sequence parallelism splits each cp rank's seq_len/cp tokens over tp.
+            raise ConfigError("train.seq_len", f"{ctx.seq_len} is not divisible by mesh.cp*mesh.tp="
+                              f"{ctx.cp * ctx.tp} (sequence parallelism)", f"a multiple of {ctx.cp * ctx.tp}")
+
+    # --- model.init_from: a Llama-layout HF directory (models/llama/hf_config.py, models/hf_weights.py) -----------------
+
+    def resolve(self, m, compute_dtype) -> None:
+        """Dims left unset (and norm_eps/rope_theta at their defaults) come from init_from's config.json."""
+        if not m.init_from:
+            return
+        from ...core.schema import ModelConfig
+        from .hf_config import DIMS_TO_LLAMA, read_llama_dims
+
+        hf, defaults = read_llama_dims(m.init_from, key="model.init_from"), ModelConfig()
+        for field, _ in DIMS_TO_LLAMA:
+            value = getattr(m, field)
+            if value is None or (getattr(defaults, field) is not None and value == getattr(defaults, field)):
+                setattr(m, field, getattr(hf, field))
+
+    def check_init_from(self, m) -> None:
+        if not m.init_from:
+            return
+        from pathlib import Path
+
+        from .hf_config import CONFIG_FILE, check_dims_match, read_llama_dims
+        from .hf_export import INDEX_FILE, SINGLE_FILE
+
+        source = str(Path(m.init_from).expanduser() / CONFIG_FILE)
+        check_dims_match(self.dims(m), read_llama_dims(m.init_from, key="model.init_from"), source=source)
+        d = Path(m.init_from).expanduser()
+        if not ((d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()):
+            raise ConfigError("model.init_from", f"{d} has no {SINGLE_FILE} or {INDEX_FILE}")
+
+    def load_weights(self, m, model, engine) -> None:
+        if not m.init_from:
+            return
+        from . import hf_keys as llama_keys
+        from ..hf_weights import announce, load_into_model
+
+        report = load_into_model(model, m.init_from, engine=engine, key="model.init_from",
+                                 sources=llama_keys.sources(self.dims(m), self.name))
+        announce(report, key="model.init_from", source=m.init_from)
+
+    def n_heads(self, m) -> int:
+        return self.dims(m).n_heads
+
+    def vocab_size(self, m) -> int:
+        return self.dims(m).vocab_size
+
+    def shape(self, m) -> dict:
+        return self.dims(m).shape()
+
+    def param_count(self, m) -> int:
+        return L.param_count(self.dims(m))
+
+    def flops_per_token(self, m, seq_len: int) -> float:
+        return L.flops_per_token(self.dims(m), seq_len)
+
+    def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> int:
+        return sum(self.activation_parts(m, micro_batch_size, seq_len, bytes_per_el, tp=tp).values())
+
+    def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> dict:
+        return L.activation_parts(self.dims(m), micro_batch_size, seq_len, bytes_per_el,
+                                  str(m.activation_checkpointing), m.ac_every, tp, te_layers=self.has_te_layers,
+                                  loss_kernel=str(m.loss_kernel))
+
+    def largest_unit_params(self, m) -> int:
+        # Units: each Block; the root holds the embedding, final norm and head.
+        d = self.dims(m)
+        head = 0 if d.tie_embeddings else d.vocab_size * d.dim
+        return max(L.layer_params(d), d.vocab_size * d.dim + d.dim + head)
+
+    def describe(self, m, seq_len: int) -> str:
+        return f"{self.name} {L.describe(self.dims(m), m.preset)} " + super().describe(m, seq_len).split(" ", 1)[1]
+
+    def _spec(self, m, seq_len: int, **parts) -> ModelSpec:
+        return ModelSpec(name=self.name, loss=loss_for(m.loss_kernel), uses_tokens=True, synthetic_batch=None,
+                         tokens_per_sample=seq_len, num_params=self.param_count(m),
+                         flops_per_token=self.flops_per_token(m, seq_len), vocab_size=self.vocab_size(m), **parts)
+
+    def spec(self, m, seq_len: int) -> ModelSpec:
+        from ...components.precision import torch_dtype
+        from .gpt_modules import GPT, Block
+
+        dims, dtype = self.dims(m), torch_dtype(m.params_dtype)
+        return self._spec(m, seq_len, build=lambda: GPT(dims, dtype=dtype), unit_modules=(Block,),
+                          init_weights=lambda model: find_module(model, GPT).init_weights())
+
+
+FAMILY = GPTFamily()

@@ -1,0 +1,205 @@
+"""A small, readable LLaMA-style GPT (nanoGPT layout): RMSNorm, RoPE, SwiGLU, grouped-query
+attention through `F.scaled_dot_product_attention`, tied or untied output head.
+
+`Block` is the FSDP unit. The model holds no buffers: RoPE tables are computed in fp32 for the
+actual sequence length once per forward (GPT.forward hands them to every Attention as an
+attribute, not an argument), so meta-device init plus `to_empty()` leaves nothing uninitialized,
+and FSDP's casting of forward inputs to bf16 never touches them.
+
+`forward(input_ids, doc_ids=None)`: with `doc_ids` (data.doc_mask) a token attends only to earlier
+tokens of its own document, through a block-causal SDPA mask. Positions are not restarted per
+document: RoPE scores depend only on the distance between two tokens, so a document attends
+within itself exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...corpus.doc_mask import block_causal_mask
+from .dims import GPTDims
+
+INIT_STD = 0.02
+
+
+class Linear(nn.Linear):
+    """Bias-free nn.Linear whose `reset_parameters` draws N(0, init_std).
+
+    Megatron-FSDP's meta-device init calls `reset_parameters()` on every module that owns a
+    parameter, so putting the GPT init here makes that path and `GPT.init_weights` agree.
+    """
+
+    def __init__(self, in_features: int, out_features: int, init_std: float, **kw):
+        self.init_std = init_std  # set first: nn.Linear.__init__ calls reset_parameters
+        super().__init__(in_features, out_features, bias=False, **kw)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding initialized N(0, 0.02) instead of N(0, 1)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, **kw):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Fused kernel; it accumulates in fp32 for bf16 inputs.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [len(positions), head_dim] in fp32, "rotate half" layout (as HF and TE's
+    non-interleaved RotaryPositionEmbedding: the frequencies repeated over both halves).
+
+    `positions`: a sequence length (positions 0..n-1) or the tokens' positions (context
+    parallelism: a rank's tokens are not contiguous)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
+    positions = positions.to(device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, head_dim] by the positions' angles; math in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: GPTDims, out_std: float, **kw):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = d.n_heads, d.n_kv_heads, d.head_dim
+        self.rope_theta = d.rope_theta
+        # One GEMM for q, k and v.
+        self.wqkv = Linear(d.dim, d.dim + 2 * d.kv_dim, INIT_STD, **kw)
+        self.wo = Linear(d.dim, d.dim, out_std, **kw)
+        # Set by models/llama/context_parallel.py under mesh.cp > 1: this rank holds part of the sequence.
+        self.context_parallel = None
+        # (cos, sin) of this forward's positions, set by GPT.forward: one table for all layers. Not a
+        # forward argument, so FSDP's input casting keeps it fp32; computed per layer, torch.compile
+        # fused the cos/sin into the q/k kernels and spent 14 % of a 1.4B step on them.
+        self.rope: Optional[tuple] = None
+
+    def rope_tables(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        cp = self.context_parallel
+        return rope_cos_sin(T if cp is None else cp.positions(T, device), self.head_dim, self.rope_theta, device)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.wqkv(x).split(
+            [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1
+        )
+        q = q.view(B, T, self.n_heads, hd).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
+        cp = self.context_parallel
+        shared = self.rope is not None and self.rope[0].shape[0] == T
+        cos, sin = self.rope if shared else self.rope_tables(T, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cp is not None:
+            if mask is not None:  # validation refuses data.doc_mask with mesh.cp > 1
+                raise ValueError("a document mask with context parallelism is not supported")
+            y = cp.attend(q, k, v)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            if self.n_kv_heads != self.n_heads:  # expanded: the masked (memory-efficient) kernels lack GQA
+                k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one GEMM."""
+
+    def __init__(self, d: GPTDims, out_std: float, **kw):
+        super().__init__()
+        self.w_gate_up = Linear(d.dim, 2 * d.ffn_dim, INIT_STD, **kw)
+        self.w_down = Linear(d.ffn_dim, d.dim, out_std, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; the FSDP unit."""
+
+    def __init__(self, d: GPTDims, **kw):
+        super().__init__()
+        # GPT-2 / Megatron scaling: residual-branch outputs shrink with depth.
+        out_std = INIT_STD / math.sqrt(2 * d.n_layers)
+        self.attn_norm = RMSNorm(d.dim, d.norm_eps, **kw)
+        self.attn = Attention(d, out_std, **kw)
+        self.mlp_norm = RMSNorm(d.dim, d.norm_eps, **kw)
+        self.mlp = MLP(d, out_std, **kw)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """input_ids [B, T] (and doc_ids [B, T] for a block-causal mask) -> logits [B, T, vocab].
+
+    With tied embeddings there is no `lm_head`: the head reads `tok_emb.weight` directly, so a
+    single Parameter exists and nothing (to_empty, FSDP's parameter swapping) can untie it.
+    """
+
+    def __init__(self, dims: GPTDims, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.dims = dims
+        kw = {"dtype": dtype} if dtype is not None else {}
+        self.tok_emb = Embedding(dims.vocab_size, dims.dim, **kw)
+        self.layers = nn.ModuleList(Block(dims, **kw) for _ in range(dims.n_layers))
+        self.norm = RMSNorm(dims.dim, dims.norm_eps, **kw)
+        self.lm_head = None if dims.tie_embeddings else Linear(dims.dim, dims.vocab_size, INIT_STD, **kw)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.tok_emb(input_ids)
+        mask = None if doc_ids is None else block_causal_mask(doc_ids)
+        tables = self.layers[0].attn.rope_tables(input_ids.shape[1], x.device) if len(self.layers) else None
+        for layer in self.layers:
+            layer.attn.rope = tables  # every layer shares the positions (and the cp layout)
+            x = layer(x) if mask is None else layer(x, mask)
+        x = self.norm(x)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialize every parameter in place from the torch RNG, in a fixed module order:
+        N(0, 0.02) weights, residual output projections N(0, 0.02/sqrt(2*n_layers)), norms ones.
+
+        In-place `nn.init` ops only, so it works on real, meta-materialized (`to_empty`) and
+        sharded DTensor parameters alike.
+        """
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()

@@ -1,0 +1,143 @@
+"""LlamaConfig (`config.json`) <-> GPTDims, without torch or transformers.
+
+One table, `DIMS_TO_LLAMA`, names each GPTDims field's LlamaConfig key; writing a config, reading
+one and reporting a mismatch all go through it. Reading refuses what `gpt`/`te_gpt` cannot
+reproduce (biases, another activation, scaled RoPE, a head_dim other than hidden/heads) in one
+line naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from ...core.errors import ConfigError
+from .dims import GPTDims, check_gpt_dims
+
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+CONFIG_FILE = "config.json"
+
+# GPTDims field -> LlamaConfig key.
+DIMS_TO_LLAMA = (
+    ("dim", "hidden_size"),
+    ("ffn_dim", "intermediate_size"),
+    ("n_layers", "num_hidden_layers"),
+    ("n_heads", "num_attention_heads"),
+    ("n_kv_heads", "num_key_value_heads"),
+    ("vocab_size", "vocab_size"),
+    ("norm_eps", "rms_norm_eps"),
+    ("rope_theta", "rope_theta"),
+    ("tie_embeddings", "tie_word_embeddings"),
+)
+
+# Config dtype names (components/precision.py's) -> the names HF writes in config.json.
+HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+
+
+def llama_config(dims: GPTDims, *, dtype: str = "float32",
+                 max_position_embeddings: int = 4096) -> Dict[str, Any]:
+    """The config.json dict of a LlamaForCausalLM with `dims`.
+
+    `dtype` is an HF name ("bfloat16") or a config name ("bf16"). It is written as both
+    `torch_dtype` (transformers 4.x) and `dtype` (5.x); `rope_theta` stays top-level, which 5.x
+    reads into `rope_parameters`. max_position_embeddings does not change default RoPE.
+    """
+    dtype = HF_DTYPE_NAMES.get(dtype, dtype)
+    cfg: Dict[str, Any] = {
+        "architectures": [LLAMA_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": dims.head_dim,
+        "max_position_embeddings": int(max_position_embeddings),
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    for field, key in DIMS_TO_LLAMA:
+        cfg[key] = getattr(dims, field)
+    return cfg
+
+
+def read_config_json(hf_dir: str | Path, *, key: str) -> Dict[str, Any]:
+    """`hf_dir/config.json` as a dict; a ConfigError under `key` when it is missing or not JSON."""
+    path = Path(hf_dir).expanduser()
+    if not path.is_dir():
+        raise ConfigError(key, f"{path} is not a directory")
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise ConfigError(key, f"{path} has no {CONFIG_FILE}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"{cfg_path} is not readable JSON ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(cfg, dict):
+        raise ConfigError(key, f"{cfg_path} does not hold a JSON object")
+    return cfg
+
+
+def rope_of(cfg: Dict[str, Any]) -> tuple[Optional[float], str]:
+    """(rope_theta, rope_type) from a 4.x (`rope_theta`, `rope_scaling`) or 5.x
+    (`rope_parameters`) config; rope_type "default" means plain RoPE."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return (None if theta is None else float(theta)), str(rope_type)
+
+
+def dims_from_llama_config(cfg: Dict[str, Any], *, key: str, source: str = CONFIG_FILE) -> GPTDims:
+    """GPTDims of a Llama-layout config dict; a ConfigError under `key` naming the HF key that
+    `gpt`/`te_gpt` cannot represent."""
+    archs = cfg.get("architectures") or []
+    if cfg.get("model_type") != "llama" and LLAMA_ARCHITECTURE not in archs:
+        raise ConfigError(key, f"{source}: model_type={cfg.get('model_type')!r} architectures={archs} "
+                               "is not a Llama layout", LLAMA_ARCHITECTURE)
+    for hf_key, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf_key in cfg and cfg[hf_key] != allowed:
+            raise ConfigError(key, f"{source}: {hf_key}={cfg[hf_key]!r} is not supported by gpt/te_gpt",
+                              json.dumps(allowed))
+    theta, rope_type = rope_of(cfg)
+    if rope_type != "default":
+        raise ConfigError(key, f"{source}: rope type {rope_type!r} (scaled RoPE) is not supported by "
+                               "gpt/te_gpt", "default")
+    values: Dict[str, Any] = {}
+    for field, hf_key in DIMS_TO_LLAMA:
+        if hf_key == "rope_theta":
+            values[field] = 10000.0 if theta is None else theta  # LlamaConfig's default
+        elif hf_key == "num_key_value_heads":
+            values[field] = int(cfg.get(hf_key) or cfg.get("num_attention_heads", 0))
+        elif hf_key == "tie_word_embeddings":
+            values[field] = bool(cfg.get(hf_key, False))
+        elif hf_key == "rms_norm_eps":
+            values[field] = float(cfg.get(hf_key, 1e-6))  # LlamaConfig's default
+        elif hf_key not in cfg:
+            raise ConfigError(key, f"{source} has no {hf_key}")
+        else:
+            values[field] = int(cfg[hf_key])
+    dims = GPTDims(**values)
+    try:
+        check_gpt_dims(dims)
+    except ConfigError as exc:
+        raise ConfigError(key, f"{source}: {exc}") from exc
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) != dims.head_dim:
+        raise ConfigError(key, f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
+                               f"{dims.head_dim}, which gpt/te_gpt require")
+    return dims
+
+
+def check_dims_match(dims: GPTDims, hf_dims: GPTDims, *, source: str, prefix: str = "model.") -> None:
+    """ConfigError under `model.<field>` for the first field where the run's dims differ from
+    an HF config's (`source` names the file in the message)."""
+    for field, hf_key in DIMS_TO_LLAMA:
+        ours, theirs = getattr(dims, field), getattr(hf_dims, field)
+        if ours != theirs:
+            raise ConfigError(f"{prefix}{field}", f"{ours} but {source} has {hf_key}={theirs}")
+
+
+def read_llama_dims(hf_dir: str | Path, *, key: str) -> GPTDims:
+    """GPTDims of `hf_dir/config.json` (for `model.init_from`)."""
+    cfg = read_config_json(hf_dir, key=key)
+    return dims_from_llama_config(cfg, key=key, source=str(Path(hf_dir).expanduser() / CONFIG_FILE))

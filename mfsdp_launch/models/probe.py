@@ -1,0 +1,188 @@
+"""A model built on the meta device and measured, for the checks and sizes of `model=custom` and
+`model=hf` before anything is spawned.
+
+The launcher imports neither torch nor the user's code (which may open a CUDA context that would
+stay on GPU 0 for the whole run), so `probe(...)` runs the family's probe function in a
+short-lived `python -c` process, the pattern of `models/meta.py::meta_names_isolated`, and caches
+the answer for the run: validation, the dry run and the checkpoint manifest ask several times.
+A process that already has torch (a worker, a test) probes in-process.
+
+The probe function (`"pkg.module:function"`, called with the model config as a plain dict)
+returns a JSON-able dict, usually `measure(model, ...)` plus family fields; a ConfigError it
+raises comes back as the same one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
+
+from ..core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+PROBE_TIMEOUT_S = 300
+_MARK = "MFSDP_PROBE "
+_CACHE: Dict[str, dict] = {}
+
+
+def model_dict(m) -> dict:
+    """The `model` config section (OmegaConf node, dataclass or mapping) as plain JSON types."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(m, DictConfig):
+        return OmegaConf.to_container(m, resolve=True, enum_to_str=True)
+    if dataclasses.is_dataclass(m):
+        return json.loads(json.dumps(dataclasses.asdict(m), default=str))
+    return json.loads(json.dumps(dict(m), default=str))
+
+
+def probe(fn: str, m, *, crash_key: str) -> dict:
+    """`fn(model_dict)`'s answer for this model config, cached per process. A ConfigError raised
+    by `fn` is re-raised; any other failure is one ConfigError line under `crash_key`."""
+    spec = model_dict(m)
+    key = fn + json.dumps(spec, sort_keys=True)
+    if key not in _CACHE:
+        _CACHE[key] = _run_here(fn, spec, crash_key) if "torch" in sys.modules else _run_isolated(fn, spec, crash_key)
+    return _CACHE[key]
+
+
+def _call(fn: str, spec: dict) -> dict:
+    module, _, name = fn.partition(":")
+    with warnings.catch_warnings():  # a model's construction warnings would break the one-line errors
+        warnings.simplefilter("ignore")
+        return getattr(importlib.import_module(module), name)(spec)
+
+
+def _run_here(fn: str, spec: dict, crash_key: str) -> dict:
+    try:
+        return _call(fn, spec)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code failed while building
+        raise ConfigError(crash_key, f"building the model failed ({_first_line(exc)})") from exc
+
+
+_CHILD = """\
+import json, sys
+from mfsdp_launch.core.errors import ConfigError
+from mfsdp_launch.models.probe import _MARK, _call, _first_line
+try:
+    out = {"ok": _call(sys.argv[1], json.loads(sys.argv[2]))}
+except ConfigError as exc:
+    out = {"error": [exc.key, exc.problem, exc.allowed]}
+except BaseException as exc:
+    out = {"crash": _first_line(exc)}
+print("\\n" + _MARK + json.dumps(out), flush=True)  # on a line of its own, whatever the model printed
+"""
+
+
+def _run_isolated(fn: str, spec: dict, crash_key: str) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # nothing is downloaded
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, fn, json.dumps(spec)], capture_output=True,
+                              text=True, timeout=PROBE_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(crash_key, f"building the model on the meta device took over {PROBE_TIMEOUT_S} s") from None
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(_MARK)]
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(crash_key, f"building the model failed (exit {proc.returncode}: {tail})")
+    out = json.loads(lines[-1][len(_MARK):])
+    if "error" in out:
+        raise ConfigError(*out["error"])
+    if "crash" in out:
+        raise ConfigError(crash_key, f"building the model failed ({out['crash']})")
+    return out["ok"]
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}".rstrip(": ")
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+def param_digest(model: "nn.Module") -> str:
+    """A digest of the parameter names and shapes: what decides a checkpoint's tensors."""
+    text = ";".join(f"{n}:{list(p.shape)}" for n, p in model.named_parameters())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def activation_elements(model: "nn.Module", unit_classes: Sequence[type] = ()) -> Dict[str, int]:
+    """Rough elements kept for backward per token (a lower bound, as for `gpt`): each Linear's
+    input and output, each norm's input. `per_token`: everything; `per_token_ckpt`: with each
+    unit recomputed in backward (its input stays, plus one unit's full set)."""
+    from torch import nn
+
+    def elements(root) -> int:
+        total = 0
+        for m in root.modules():
+            if isinstance(m, nn.Linear):
+                total += m.in_features + m.out_features
+            elif not isinstance(m, nn.Embedding):
+                own = list(m.parameters(recurse=False))
+                if own and all(p.ndim == 1 for p in own) and not any(True for _ in m.children()):
+                    total += own[0].numel()  # a norm: its input
+        return total
+
+    full = elements(model)
+    units = [m for m in model.modules() if unit_classes and isinstance(m, tuple(unit_classes)) and m is not model]
+    if not units:
+        return {"per_token": full, "per_token_ckpt": full}
+    per_unit = [elements(u) for u in units]
+    width = _hidden_width(model)
+    ckpt = full - sum(per_unit) + max(per_unit) + len(units) * width
+    return {"per_token": full, "per_token_ckpt": min(full, ckpt)}
+
+
+def _hidden_width(model: "nn.Module") -> int:
+    from torch import nn
+
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return m.embedding_dim
+        if isinstance(m, nn.Linear):
+            return m.in_features
+    return 0
+
+
+def first_embedding_rows(model: "nn.Module") -> Optional[int]:
+    from torch import nn
+
+    return next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def measure(model: "nn.Module", unit_classes: Sequence[type]) -> Dict[str, Any]:
+    """Sizes and names of a (meta-device) model, as JSON types."""
+    from .custom.user_model import class_name, largest_unit_params, matmul_params, model_dims
+
+    dims = model_dims(model)
+    return {
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "matmul_params": matmul_params(model, dims),
+        "dims": dims,
+        "largest_unit_params": largest_unit_params(model, unit_classes),
+        "activations": activation_elements(model, unit_classes),
+        "param_digest": param_digest(model),
+        "param_names": [n for n, _ in model.named_parameters()],
+        "unit_classes": [class_name(c) for c in unit_classes],
+        "unit_count": sum(1 for m in model.modules() if unit_classes and isinstance(m, tuple(unit_classes))
+                          and m is not model),
+    }
+
+
+def activation_bytes(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, bytes_per_el: int,
+                     checkpointing: bool, vocab_size: Optional[int]) -> int:
+    """Bytes of activations from a probe's per-token elements, plus the logits' fp32 copy."""
+    per_token = p["activations"]["per_token_ckpt" if checkpointing else "per_token"]
+    tokens = micro_batch_size * seq_len
+    return int(tokens * (per_token * bytes_per_el + 4 * (vocab_size or 0)))

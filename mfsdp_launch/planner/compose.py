@@ -1,0 +1,162 @@
+"""Config composition: Hydra groups + recipes + overrides -> one typed, resolved config.
+
+Composition happens once, in the launcher. Workers load the frozen `config.yaml` with
+`load_frozen`; they never re-compose, so nothing (a `${now:}`, a changed file) can make two
+ranks see different configs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..core import rundir
+from ..core.atomic_io import atomic_write_text
+from ..core.errors import ConfigError
+from ..core.schema import Config
+
+SCHEMA_NAME = "mfsdp_schema"
+
+
+def config_dir() -> Path:
+    """The config root: inside the installed package, or `configs/` of a source checkout."""
+    package = Path(__file__).resolve().parent.parent
+    packaged = package / "configs"
+    if (packaged / "config.yaml").is_file():
+        return packaged
+    source = package.parent / "configs"
+    if (source / "config.yaml").is_file():
+        return source
+    raise RuntimeError(f"mfsdp-launch configs not found (looked in {packaged} and {source})")
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+
+
+def available_options(group: str) -> List[str]:
+    folder = config_dir() / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def compose(overrides: Iterable[str]) -> DictConfig:
+    """Compose the typed config for these command-line overrides; bad input raises ConfigError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides)
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+    except Exception as exc:  # Hydra and OmegaConf raise many types; all mean bad input here.
+        raise config_error_from(exc) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return finalize(cfg)
+
+
+def finalize(cfg: DictConfig) -> DictConfig:
+    """Resolve interpolations and re-check the result against the schema."""
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+        typed = OmegaConf.merge(OmegaConf.structured(Config), container)
+    except Exception as exc:
+        raise config_error_from(exc) from None
+    OmegaConf.set_struct(typed, True)
+    return typed
+
+
+def load_frozen(path: str | Path) -> DictConfig:
+    """Load a frozen config.yaml written by the launcher, typed against the schema."""
+    return finalize(OmegaConf.load(str(path)))
+
+
+def save_frozen(cfg: DictConfig, run_dir: Path, overrides: Optional[List[str]] = None) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / rundir.CONFIG
+    atomic_write_text(target, OmegaConf.to_yaml(cfg, resolve=True))
+    if overrides is not None:
+        (run_dir / rundir.OVERRIDES).write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    return target
+
+
+# --- turning Hydra/OmegaConf failures into one clear line -------------------------------------
+
+
+def _schema_keys(dotted_parent: str) -> List[str]:
+    node = OmegaConf.structured(Config)
+    for part in [p for p in dotted_parent.split(".") if p]:
+        if not isinstance(node, DictConfig) or part not in node:
+            return []
+        node = node[part]
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def config_error_from(exc: BaseException) -> ConfigError:
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    chain = []
+    e: Optional[BaseException] = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+
+    for err in chain:
+        unknown = isinstance(err, ConfigKeyError) or re.search(r"Key '\w+' (is )?not in", str(err))
+        if unknown and getattr(err, "full_key", None):
+            key = err.full_key
+            parent = key.rsplit(".", 1)[0] if "." in key else ""
+            allowed = _schema_keys(parent)
+            return ConfigError(key, "unknown key", allowed or None)
+        if isinstance(err, ValidationError) and getattr(err, "full_key", None):
+            return ConfigError(err.full_key, _first_line(getattr(err, "msg", str(err))))
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            return ConfigError(err.full_key, _first_line(getattr(err, "msg", str(err))))
+
+    text = str(exc)
+    if "Error parsing override" in text:
+        return ConfigError("overrides", _first_line(text), "key=value, +key=value, group=option")
+    missing = re.search(r"Could not find '([\w/.-]+)/([\w.-]+)'", text)
+    if missing:
+        group, option = missing.group(1), missing.group(2)
+        key = "+recipe" if group == "recipe" else group
+        return ConfigError(key, f"no option '{option}'", available_options(group))
+    missing_group = re.search(r"Could not override '([\w.]+)'.*?Key '(\w+)' is not in struct", text, re.S)
+    if missing_group:
+        key = missing_group.group(1)
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        return ConfigError(key, "unknown key", _schema_keys(parent) or None)
+    return ConfigError("overrides", _first_line(text))
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "invalid value"
+
+
+def explain(exc: ConfigError) -> ConfigError:
+    """A YAML syntax error in a config file: name the file and line instead of the parser's
+    first words (the original error is the ConfigError's context)."""
+    e: Optional[BaseException] = exc
+    seen = []
+    while e is not None and e not in seen:
+        seen.append(e)
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None and getattr(mark, "name", None):
+            problem = getattr(e, "problem", None) or "invalid YAML"
+            context = getattr(e, "context", None)
+            return ConfigError(f"{mark.name}:{mark.line + 1}:{mark.column + 1}",
+                               f"YAML error: {problem}" + (f" ({context})" if context else ""))
+        e = e.__cause__ or e.__context__
+    return exc
+
+
+# --- the command ----------------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""Checks that depend on the machine the launcher runs on: installed packages and GPUs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+
+from ..engines import engine_caps
+from ..core.errors import ConfigError
+from ..core.hardware import local_gpu_count
+from ..models import family
+from ..core.fp8 import FP8Recipe
+from ..core.schema import Backend, LossKernel, OptimImpl
+
+
+def import_problem(module: str, probe: bool) -> str:
+    """'' if `module` imports; else why not, in one line. probe=False only looks for the package."""
+    try:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return "not installed"
+    except (ImportError, ValueError):
+        return "not installed"
+    if not probe:
+        return ""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            importlib.import_module(module)
+    except Exception as exc:  # a half-installed TE raises RuntimeError/OSError, not ImportError
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"installed but broken ({type(exc).__name__}: {first})"
+    return ""
+
+
+def check_installs(cfg, probe: bool) -> None:
+    """The engine and Transformer Engine import, before any process is spawned."""
+    wanted = []
+    if cfg.engine.name == "megatron_fsdp":
+        wanted.append(("engine", "engine=megatron_fsdp", "megatron_fsdp", "pip install 'megatron-fsdp>=0.6.1'"))
+    te_users = [("model", f"model={cfg.model.name}", family(cfg.model.name).has_te_layers),
+                ("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}", cfg.fp8.recipe != FP8Recipe.none),
+                ("optim.impl", "optim.impl=te_fused", cfg.optim.impl == OptimImpl.te_fused),
+                ("model.loss_kernel", "model.loss_kernel=te_fused", uses_fused_loss(cfg))]
+    for key, what, used in te_users:
+        if used:
+            wanted.append((key, what, "transformer_engine.pytorch", "pip install 'mfsdp-launch[te]'"))
+            break
+    for key, what, module, fix in wanted:
+        problem = import_problem(module, probe)
+        if problem:
+            raise ConfigError(key, f"{what} needs {module}, which is {problem}; {fix}")
+    if getattr(cfg.engine, "nccl_ub", False) and cfg.engine.name == "megatron_fsdp":
+        # Megatron-FSDP allocates its registered buffers through either package's NCCL allocator.
+        found = [m for m in ("megatron.core.nccl_allocator", "apex.contrib.nccl_allocator") if not import_problem(m, probe)]
+        if not found:
+            raise ConfigError("engine.nccl_ub", "needs megatron.core.nccl_allocator or apex.contrib.nccl_allocator, "
+                              "neither imports; pip install megatron-core", "false")
+
+
+def needs_cuda(cfg) -> str:
+    """Why this config needs CUDA GPUs, or '' if it can run on CPU."""
+    if engine_caps(cfg.engine.name).needs_cuda:
+        return f"engine={cfg.engine.name} runs on CUDA + NCCL only"
+    if family(cfg.model.name).has_te_layers:
+        return f"model={cfg.model.name} (Transformer Engine) needs CUDA"
+    if uses_fused_loss(cfg):
+        return "model.loss_kernel=te_fused (a Triton kernel) needs CUDA"
+    if cfg.engine.backend == Backend.nccl:
+        return "engine.backend=nccl needs CUDA"
+    return ""
+
+
+def uses_fused_loss(cfg) -> bool:
+    """model.loss_kernel=te_fused: TE's Triton cross-entropy (TE, CUDA, no CUDA-graph capture)."""
+    return cfg.model.loss_kernel == LossKernel.te_fused
+
+
+def check_gpus(cfg) -> None:
+    why = needs_cuda(cfg)
+    gpus = local_gpu_count()
+    if why and gpus == 0:
+        raise ConfigError("engine" if "engine" in why else "model", f"no CUDA GPU on this machine: {why}",
+                          "engine=fsdp2 with a non-TE model for the CPU path, or launcher.dry_run=true")
+    if gpus and (why or cfg.engine.backend != Backend.gloo) and cfg.launcher.nproc_per_node > gpus:
+        raise ConfigError("launcher.nproc_per_node", f"{cfg.launcher.nproc_per_node} processes but "
+                          f"only {gpus} GPUs here", f"1..{gpus}")

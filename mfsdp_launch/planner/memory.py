@@ -1,0 +1,193 @@
+"""Per-rank memory estimate for the dry run: what each engine, ZeRO stage and outer strategy keeps
+where at the moment memory peaks (the start of the backward pass).
+
+A model of the engine's buffers, not a measurement, calibrated against the peaks measured on H200s
+(bench/memory_reference.json; docs/memory.md explains each line):
+
+* params: the compute-dtype weights a rank holds. Megatron-FSDP keeps a compute copy beside the
+  main weights (sharded under ZeRO-3); FSDP2 keeps only the main weights sharded and casts at
+  all-gather, so its line is 0 unless compute and main dtypes agree.
+* main_params, grads, optimizer (Adam's two moments): divided by the ranks that shard them.
+  FSDP2 frees gradients at `zero_grad` (set_to_none), so they are not alive at the peak unless
+  gradients accumulate (train.grad_accum_steps > 1); Megatron-FSDP's gradient buffer is persistent.
+* gathered_units: two FSDP units all-gathered (one computing, one prefetched) under ZeRO-3; with
+  FSDP2 at ZeRO 0-2 the parameters stay unsharded from forward to backward: the whole model.
+* activations and logits: from the model family (`activation_checkpointing`, `tp`), divided by
+  `cp` (each context-parallel rank holds seq/cp tokens: models/cp_layout.py).
+* fp8_weights: TE's FP8 copies of the block weights, kept from forward to backward (FP8 recipes
+  without fp8.params).
+* allocator: the caching allocator's slack over what is allocated (`ALLOCATOR_SLACK` of the
+  transient buffers): the estimate aims at the reserved peak, which is what runs out. FSDP2 with
+  DTensor TP reserves about one more gradient copy (`_fsdp2_tp_reserve`).
+
+Before a job spawns, `check_fits` compares the estimate with the GPU's memory (`gpu_memory_bytes`,
+from nvidia-smi, no torch): a config that cannot fit is one line, unless `launcher.force_memory`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional
+
+from ..core.dtypes import Dtype
+from ..core.fp8 import FP8Recipe
+from ..core.sharding import ZeroStrategy, shard_factors
+from ..core.errors import ConfigError
+from ..engines import engine_caps
+from ..mesh import ParallelDims
+from ..models import family
+
+GIB = 1024**3
+# TE keeps each block's FP8 weight (1 byte per element) and part of its transpose from forward to
+# backward: 1.25 bytes per block weight fits te_gpt d=4096 with 8 and 16 layers (+1.9 / +3.6 GiB).
+FP8_WEIGHT_BYTES = 1.25
+# Reserved minus allocated at the peak, as a fraction of activations + logits + gathered units
+# (blocks of varying size that the caching allocator cannot always reuse).
+ALLOCATOR_SLACK = 0.03
+
+
+@dataclass
+class MemoryEstimate:
+    params: float
+    main_params: float
+    grads: float
+    optimizer: float
+    gathered_units: float
+    activations: float
+    logits: float = 0.0
+    fp8_weights: float = 0.0
+    allocator: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(self.as_dict().values())
+
+    def as_dict(self) -> Dict[str, float]:
+        return asdict(self)
+
+
+def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
+    fam, m, pc, t = family(cfg.model.name), cfg.model, cfg.precision, cfg.train
+    n = fam.param_count(m)
+    compute_b = Dtype(pc.compute_dtype or Dtype.fp32).bytes
+    weight_b = 1 if cfg.fp8.params else compute_b  # fp8.params: the compute weights are FP8
+    main_b = Dtype(pc.main_params_dtype).bytes if pc.main_params_dtype else 0
+    if pc.main_params_dtype == pc.compute_dtype:
+        main_b = 0  # the compute weights are the main weights
+    grad_b = Dtype(pc.main_grads_dtype or pc.compute_dtype or Dtype.fp32).bytes
+    optim_b = 2 * Dtype(pc.main_params_dtype or Dtype.fp32).bytes
+    zero = ZeroStrategy(cfg.sharding.zero_dp_strategy)
+    f = shard_factors(zero, cfg.sharding.outer_dp_sharding_strategy, dims.shard_size, dims.dp_outer)
+    # With model.fsdp_unit_modules overriding a built-in family's units they are unknown here: the
+    # whole model bounds it. Measured families (custom, hf) know theirs.
+    unit = n if m.fsdp_unit_modules and not fam.measured else fam.largest_unit_params(m)
+    tp = dims.tp if fam.support(engine_caps(cfg.engine.name)).splits_over_tp else 1  # toys replicate
+    if tp > 1:
+        n, unit = _tp_params(fam, m, n, unit, tp)
+    parts = fam.activation_parts(m, t.micro_batch_size, t.seq_len, compute_b, tp=tp)
+    cp = max(dims.cp, 1)
+    est = MemoryEstimate(
+        params=n * weight_b / f["params"],
+        main_params=n * main_b / f["main_params"],
+        grads=n * grad_b / f["grads"],
+        optimizer=n * optim_b / f["optimizer"],
+        gathered_units=2 * unit * weight_b if f["params"] > 1 else 0.0,
+        activations=parts["activations"] / cp,
+        logits=parts["logits"] / cp,
+        fp8_weights=_fp8_weight_bytes(cfg, fam, tp),
+    )
+    reserve = 0.0
+    if cfg.engine.name == "fsdp2":
+        _as_fsdp2(est, n, unit, weight_b, main_b, grad_b, zero, dims, t.grad_accum_steps)
+        reserve = _fsdp2_tp_reserve(n, grad_b, zero, dims, tp)
+    est.allocator = ALLOCATOR_SLACK * (est.activations + est.logits + est.gathered_units) + reserve
+    return est
+
+
+def _fsdp2_tp_reserve(n: float, grad_b: int, zero: ZeroStrategy, dims: ParallelDims, tp: int) -> float:
+    """Reserved, not allocated, under FSDP2 + DTensor TP: measured on H200 (bench/memory.md), the
+    reserved peak exceeds the allocated one by about one sharded gradient copy (gpt 1.4b: +4.5 GiB
+    over 2.8 GiB of gradients, 8b: +24.4 over 16.9), where tp=1 runs stay within 3-9 %. The
+    gradients are born during backward while the activations die, and under TP the freed blocks
+    do not serve them. Not profiled further; two points, so a fit, not a law."""
+    return n * grad_b / _fsdp2_shards(zero, dims) if tp > 1 else 0.0
+
+
+def _fsdp2_shards(zero: ZeroStrategy, dims: ParallelDims) -> int:
+    """Ranks FSDP2 shards the state over: dp_shard (x cp); ZeRO 0 replicates (dp_outer > 1: HSDP,
+    replicated over it)."""
+    return 1 if zero is ZeroStrategy.no_shard else dims.shard_size
+
+
+def _as_fsdp2(est: MemoryEstimate, n: float, unit: float, weight_b: int, main_b: int, grad_b: int,
+              zero: ZeroStrategy, dims: ParallelDims, grad_accum: int) -> None:
+    """FSDP2 (engines/fsdp2.py): the sharded parameters are the main weights (one copy); ZeRO 2-3
+    shard everything over dp_shard (x cp), ZeRO 0 replicates; below ZeRO-3 the compute-dtype copy of
+    every unit stays gathered from forward to backward; gradients are freed at zero_grad."""
+    shards = _fsdp2_shards(zero, dims)
+    if main_b:
+        est.params, est.main_params = 0.0, n * main_b / shards
+    else:
+        est.params, est.main_params = n * weight_b / shards, 0.0
+    est.gathered_units = 2 * unit * weight_b if zero is ZeroStrategy.optim_grads_params else n * weight_b
+    est.grads = n * grad_b / shards if grad_accum > 1 else 0.0
+
+
+def _fp8_weight_bytes(cfg, fam, tp: int) -> float:
+    if FP8Recipe(cfg.fp8.recipe) is FP8Recipe.none or cfg.fp8.params or not fam.has_te_layers:
+        return 0.0
+    if not hasattr(fam, "dims"):  # TE toys: all their weights
+        return FP8_WEIGHT_BYTES * fam.param_count(cfg.model)
+    from ..models.llama.dims import layer_params, live_blocks
+
+    d = fam.dims(cfg.model)
+    blocks = live_blocks(d, str(cfg.model.activation_checkpointing), cfg.model.ac_every)
+    return FP8_WEIGHT_BYTES * blocks * (layer_params(d) - 2 * d.dim) / tp
+
+
+def _tp_params(fam, m, n: int, unit: int, tp: int):
+    """(params, largest unit) per rank under TP (models/llama/tensor_parallel.py, TE's tp_group): the blocks'
+    linear weights split over tp; embedding, norms and head stay whole. When a block is the largest
+    unit it shrinks too (if the root then becomes larger, this underestimates the gathered unit)."""
+    from ..models.llama.dims import layer_params
+
+    d = fam.dims(m)
+    per_layer = layer_params(d) - 2 * d.dim
+    if unit == layer_params(d):
+        unit -= per_layer * (1 - 1 / tp)
+    return n - d.n_layers * per_layer * (1 - 1 / tp), unit
+
+
+HINT = "try model.activation_checkpointing=full, mesh.tp=2 or a smaller train.micro_batch_size"
+
+
+def check_fits(needed_bytes: float, device_bytes: Optional[float], *, force: bool = False) -> Optional[str]:
+    """Refuse (ConfigError) a per-GPU estimate above the device's memory; with `force`, return the
+    same sentence as a warning. Nothing when the device memory is unknown (no GPU, no nvidia-smi)."""
+    if device_bytes is None or needed_bytes <= device_bytes:
+        return None
+    msg = f"needs ~{needed_bytes / GIB:.1f} GiB per GPU, the GPU has {device_bytes / GIB:.1f}: {HINT}"
+    if force:
+        return msg + " (launcher.force_memory=true: starting anyway)"
+    raise ConfigError("memory", msg, "launcher.force_memory=true to start anyway")
+
+
+def gpu_memory_bytes() -> Optional[float]:
+    """Total memory of the smallest visible NVIDIA GPU, from nvidia-smi (no torch, no CUDA init);
+    None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_memory_total(out)
+
+
+def parse_memory_total(text: str) -> Optional[float]:
+    """nvidia-smi's `memory.total` lines (MiB, one per GPU) -> bytes of the smallest GPU."""
+    mib = [float(line) for line in (line.strip() for line in text.splitlines()) if line.replace(".", "", 1).isdigit()]
+    return min(mib) * 1024**2 if mib else None

@@ -1,0 +1,312 @@
+"""Checks on a resolved config, run in the launcher before any process starts. They only check
+(planner/resolve.py fills derived values); each rule lives with the concept that owns it and is
+called from here: mesh degrees in mesh.py, strategy rules in core/sharding.py, engine
+capabilities in engines/, model rules in each model family, data rules in data.py."""
+
+from __future__ import annotations
+
+from typing import List
+
+from omegaconf import OmegaConf
+
+from ..components.profiling import check_profile
+from ..core.dtypes import Dtype
+from ..core.errors import ConfigError
+from ..core.fp8 import FP8Recipe
+from ..core.globs import check_globs_match
+from ..core.schema import ACMode, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
+from ..core.sharding import ZeroStrategy, check_sharding, single_node_outer_warning
+from ..engines import ENGINES, EngineCaps, engine_caps, foreign_engine_keys
+from ..mesh import ParallelDims, world_size
+from ..models import FAMILIES, ModelContext, family
+from ..models.family import Parallel, Support, check_family_keys
+from ..models.meta import meta_names, meta_names_isolated
+from . import machine
+
+
+def validate(cfg, *, check_hardware: bool = True) -> List[str]:
+    """Check a resolved `cfg`; returns warnings. `check_hardware=False` for dry runs and sbatch."""
+    warnings: List[str] = []
+    caps = engine_caps(cfg.engine.name)
+    _check_launcher(cfg.launcher)
+    dims = ParallelDims.from_config(cfg.mesh, world_size(cfg.launcher))
+    _check_mesh(cfg.mesh, dims, caps)
+    warnings += _check_sharding(cfg, dims, caps)
+    warnings += _check_precision(cfg.precision, caps)
+    _check_fp8(cfg, caps)
+    warnings += _check_model(cfg, dims, caps)
+    _check_data(cfg)
+    warnings += _check_train(cfg, caps)
+    _check_checkpoint(cfg.checkpoint)
+    if check_hardware and cfg.launcher.kind == LauncherKind.torchrun:
+        machine.check_installs(cfg, probe=True)
+        machine.check_gpus(cfg)
+        warnings += _check_memory(cfg, dims)
+    else:
+        # A dry run or an sbatch script is prepared on a machine that need not run it.
+        try:
+            machine.check_installs(cfg, probe=False)
+        except ConfigError as exc:
+            warnings.append(f"on this machine: {exc}")
+    if cfg.launcher.nnodes > 1:
+        warnings.extend(dims.cross_node_warnings(cfg.launcher.nproc_per_node))
+    return warnings
+
+
+def _check_launcher(lc) -> None:
+    for key in ("nproc_per_node", "nnodes"):
+        if getattr(lc, key) < 1:
+            raise ConfigError(f"launcher.{key}", f"must be >= 1, got {getattr(lc, key)}")
+    if not 0 <= lc.node_rank < lc.nnodes:
+        raise ConfigError("launcher.node_rank", f"{lc.node_rank} is not a node of {lc.nnodes}",
+                          f"0..{lc.nnodes - 1}")
+    if lc.kind == LauncherKind.torchrun and lc.nnodes > 1 and not lc.rdzv_endpoint:
+        raise ConfigError("launcher.rdzv_endpoint", f"is needed with launcher.nnodes={lc.nnodes}",
+                          "host:port of node 0, the same on every node")
+    if lc.rdzv_endpoint and ":" not in lc.rdzv_endpoint:
+        raise ConfigError("launcher.rdzv_endpoint", f"{lc.rdzv_endpoint!r} has no port", "host:port")
+
+
+def _check_mesh(mesh_cfg, dims: ParallelDims, caps: EngineCaps) -> None:
+    if mesh_cfg.enabled:
+        return
+    if not caps.default_mesh:
+        raise ConfigError("mesh.enabled", f"false (the engine's default mesh) needs an engine that builds "
+                          f"its own; engine={caps.name} does not", "true")
+    if (dims.dp_outer, dims.cp, dims.tp) != (1, 1, 1):
+        raise ConfigError("mesh.enabled", "false builds a plain FSDP mesh; it cannot have "
+                          f"dp_outer/cp/tp > 1 (got {tuple(dims.shape)})", "mesh.dp_outer=1 mesh.cp=1 mesh.tp=1")
+
+
+def _check_sharding(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
+    zero, outer = cfg.sharding.zero_dp_strategy, cfg.sharding.outer_dp_sharding_strategy
+    if zero not in caps.zero:
+        raise ConfigError("sharding.zero_dp_strategy", f"engine={caps.name} cannot do {zero}; {caps.why_not}",
+                          sorted(z.name for z in caps.zero))
+    if outer not in caps.outer:
+        raise ConfigError("sharding.outer_dp_sharding_strategy", f"engine={caps.name} cannot do {outer}; "
+                          f"{caps.why_not}", sorted(o.name for o in caps.outer))
+    warnings = single_node_outer_warning(dims.dp_outer, cfg.launcher.nnodes, dims.world_size)
+    return warnings + check_sharding(zero, outer, dp_outer=dims.dp_outer,
+                                     meta_init=cfg.model.init_on_meta and caps.name == "megatron_fsdp")
+
+
+def _check_precision(pc, caps: EngineCaps) -> List[str]:
+    if pc.main_params_dtype not in caps.main_params_dtypes:
+        raise ConfigError("precision.main_params_dtype", f"{pc.main_params_dtype} main weights lose "
+                          f"updates; engine={caps.name} keeps its sharded params in this dtype",
+                          sorted(str(d) for d in caps.main_params_dtypes if d is not None) + ["null"])
+    if pc.compute_dtype == Dtype.fp16:
+        return ["precision.compute_dtype=fp16 has no loss scaling here; bf16 is safer"]
+    return []
+
+
+def _check_fp8(cfg, caps: EngineCaps) -> None:
+    f = cfg.fp8
+    if f.recipe == FP8Recipe.none:
+        if f.params:
+            raise ConfigError("fp8.params", "true has no effect with fp8.recipe=none", "false, or an fp8.recipe")
+        if f.skip:
+            raise ConfigError("fp8.skip", "has no effect with fp8.recipe=none", "[], or an fp8.recipe")
+        if f.attention:
+            raise ConfigError("fp8.attention", "true has no effect with fp8.recipe=none", "false, or fp8.recipe=delayed|current")
+        return
+    if f.attention and f.recipe not in (FP8Recipe.delayed, FP8Recipe.current):
+        raise ConfigError("fp8.attention", f"FP8 attention is wired for delayed and current scaling, not '{f.recipe}'",
+                          "false, or fp8.recipe=delayed|current")
+    if f.attention and cfg.mesh.cp > 1:
+        # TE's context-parallel attention has FP8 paths, but none was run here
+        raise ConfigError("fp8.attention", "with mesh.cp > 1 is not tested here", "false, or mesh.cp=1")
+    if f.skip and f.params:
+        raise ConfigError("fp8.skip", "modules built with FP8 weights cannot run in high precision",
+                          "[] with fp8.params=true, or fp8.params=false")
+    if not family(cfg.model.name).has_te_layers:
+        te_models = [name for name, fam in FAMILIES.items() if fam.has_te_layers]
+        raise ConfigError("fp8.recipe", f"'{f.recipe}' would do nothing: model={cfg.model.name} has no "
+                          "Transformer Engine layers", "none, or model=" + "|".join(te_models))
+    if f.amax_history_len < 1:
+        raise ConfigError("fp8.amax_history_len", f"must be >= 1, got {f.amax_history_len}")
+    if not f.params:
+        return
+    if not caps.fp8_params:
+        raise ConfigError("fp8.params", f"FP8 parameters need an engine that shards them; engine={caps.name} "
+                          "does not", "false, or engine=megatron_fsdp")
+    if cfg.sharding.zero_dp_strategy != ZeroStrategy.optim_grads_params:
+        raise ConfigError("fp8.params", "FP8 parameters need sharding.zero_dp_strategy=optim_grads_params, "
+                          f"got {cfg.sharding.zero_dp_strategy}", "false")
+    if cfg.precision.main_params_dtype is None:
+        raise ConfigError("precision.main_params_dtype", "null, but FP8 parameters need high-precision "
+                          "main weights", "fp32|fp64")
+    if f.recipe != FP8Recipe.mxfp8 and not cfg.engine.keep_fp8_transpose_cache:
+        raise ConfigError("engine.keep_fp8_transpose_cache", "false, but FP8 parameters need it (except "
+                          "mxfp8)", "true")
+
+
+def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
+    m, fam = cfg.model, family(cfg.model.name)
+    ctx = ModelContext(tp=dims.tp, cp=dims.cp, seq_len=cfg.train.seq_len,
+                       micro_batch_size=cfg.train.micro_batch_size, fp8_recipe=str(cfg.fp8.recipe),
+                       fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name), engine=caps.name)
+    check_family_keys(m, fam.name)
+    heads = fam.n_heads(m)
+    if heads is not None and heads % dims.tp:
+        raise ConfigError("mesh.tp", f"{dims.tp} does not divide the {heads} attention heads of model={fam.name}")
+    warnings = fam.check(m, ctx)
+    support = fam.support(caps)
+    _check_activation_checkpointing(m, fam.name, support)
+    if dims.tp > 1:
+        _check_tp(fam, support, caps)
+    if dims.cp > 1:
+        _check_cp(cfg, fam, support, caps)
+    if dims.cp > 1 and cfg.train.seq_len % (2 * dims.cp):
+        # models/cp_layout.py: each cp rank holds two of 2*cp equal chunks (load balance).
+        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by 2*mesh.cp={2 * dims.cp}",
+                          f"a multiple of {2 * dims.cp}")
+    if (m.freeze or cfg.fp8.skip) and not fam.measured:
+        _check_name_globs(cfg, fam)
+    return warnings
+
+
+def _check_memory(cfg, dims: ParallelDims) -> List[str]:
+    """The dry run's estimate against the GPU's memory (planner/memory.py), GPU runs only."""
+    from .memory import check_fits, estimate, gpu_memory_bytes
+
+    if cfg.engine.backend == "gloo":
+        return []
+    msg = check_fits(estimate(cfg, dims).total, gpu_memory_bytes(), force=cfg.launcher.force_memory)
+    return [msg] if msg else []
+
+
+def _engines_taking(kind: str, mode: str) -> str:
+    return "|".join(name for name, c in ENGINES.items() if mode in getattr(c, kind))
+
+
+def _check_tp(fam, support: Support, caps: EngineCaps) -> None:
+    """tp > 1: the family's way of using tp (models/family.py's Parallel) must be one the engine takes."""
+    if support.tp != Parallel.NONE:
+        return
+    if fam.tp_mode == Parallel.DTENSOR:
+        raise ConfigError("mesh.tp", f"engine={caps.name} with model={fam.name}'s DTensor tensor parallelism is "
+                          "not supported: Megatron-FSDP 0.6.1 takes DTensor parameters, but this plan "
+                          "redistributes its fused weights inside forward, never run on Megatron-FSDP's "
+                          "swapped-in parameters", "1, engine=fsdp2, or model=te_gpt (TE's own TP)")
+    raise ConfigError("mesh.tp", f"model={fam.name} has no tensor parallelism under engine={caps.name} yet", "1")
+
+
+def _check_cp(cfg, fam, support: Support, caps: EngineCaps) -> None:
+    """cp > 1: a family that splits sequences over cp (or replicates over the engine's cp, as the
+    seed's toys do), in a way the engine takes."""
+    if support.cp == Parallel.REPLICATE:
+        return
+    if fam.cp_mode not in Parallel.SPLITTING:
+        cp_models = "|".join(name for name, f in FAMILIES.items() if f.cp_mode in Parallel.SPLITTING)
+        raise ConfigError("mesh.cp", f"model={fam.name} has no context parallelism yet", f"1, or model={cp_models}")
+    if support.cp == Parallel.NONE:
+        # TE's context-parallel attention is wired and tested under Megatron-FSDP only.
+        engines = _engines_taking("cp_modes", fam.cp_mode)
+        raise ConfigError("mesh.cp", f"model={fam.name} runs context parallelism under engine={engines} only",
+                          f"1, or engine={engines}")
+    if cfg.data.doc_mask:
+        raise ConfigError("data.doc_mask", f"a document mask with mesh.cp={cfg.mesh.cp} is not supported",
+                          "false, or mesh.cp=1")
+
+
+def _check_activation_checkpointing(m, name: str, support: Support) -> None:
+    if m.ac_every < 1:
+        raise ConfigError("model.ac_every", f"must be >= 1, got {m.ac_every}", "N: checkpoint every N-th block")
+    if m.activation_checkpointing != ACMode.none and not support.activation_checkpointing:
+        raise ConfigError("model.activation_checkpointing", f"{m.activation_checkpointing}: model={name} has "
+                          "no transformer blocks to checkpoint", "none")
+
+
+def _check_name_globs(cfg, fam) -> None:
+    """model.freeze globs must match parameters and fp8.skip globs modules, checked on a meta-device
+    model here: in the worker, a miss would fail every rank after the spawn."""
+    for key, patterns in (("model.freeze", cfg.model.freeze), ("fp8.skip", cfg.fp8.skip)):
+        for pattern in patterns:
+            if not pattern:
+                raise ConfigError(key, "empty pattern", "name globs")
+    if fam.has_te_layers:
+        names = meta_names_isolated(OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True),
+                                    cfg.train.seq_len)
+        if names is None:
+            return  # TE cannot build here (no TE or no GPU): the worker checks these globs
+    else:
+        names = meta_names(cfg.model, cfg.train.seq_len)
+    params, modules = names
+    if cfg.model.freeze:
+        check_globs_match("model.freeze", cfg.model.freeze, params, "parameter")
+    if cfg.fp8.skip:
+        check_globs_match("fp8.skip", cfg.fp8.skip, modules, "module")
+
+
+def _check_data(cfg) -> None:
+    from ..data import check_data_config
+
+    fam = family(cfg.model.name)
+    check_data_config(cfg.data, vocab_size=fam.vocab_size(cfg.model), train=cfg.train)
+    if cfg.data.doc_mask and not fam.support(engine_caps(cfg.engine.name)).doc_mask:
+        raise ConfigError("data.doc_mask", f"model={fam.name} cannot mask attention per document",
+                          ["false"] + [f"model={name}" for name, f in FAMILIES.items() if f.doc_mask])
+
+
+def _check_train(cfg, caps: EngineCaps) -> List[str]:
+    t, o = cfg.train, cfg.optim
+    for key in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "log_interval"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    if t.stall_dump_s is not None and t.stall_dump_s <= 0:
+        raise ConfigError("train.stall_dump_s", f"must be > 0, got {t.stall_dump_s}", "seconds, or null (off)")
+    check_profile(t.profile, t.steps)
+    if t.grad_clip is not None and t.grad_clip <= 0:
+        raise ConfigError("train.grad_clip", f"must be > 0, got {t.grad_clip}", "a positive number or null")
+    if o.lr <= 0:
+        raise ConfigError("optim.lr", f"must be > 0, got {o.lr}")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    if o.warmup_steps < 0:
+        raise ConfigError("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    if o.impl == OptimImpl.te_fused and not caps.te_fused_optim:
+        raise ConfigError("optim.impl", f"te_fused (TE FusedAdam) is not wired for engine={caps.name}", "torch")
+    if t.cuda_graph == CudaGraphMode.full_iteration:
+        _check_cuda_graph(cfg, caps)
+    warnings = [f"engine.{key} does nothing with engine={caps.name}" for key in foreign_engine_keys(caps)
+                if getattr(cfg.engine, key)]
+    if cfg.engine.nccl_ub and "nccl_ub" in caps.own_keys:
+        warnings.append("engine.nccl_ub: Megatron's NCCL allocator sets NCCL_NVLS_ENABLE=1 (NVLink multicast) in "
+                        "every rank; on a host whose GPUs others share, keep it off")
+    return warnings
+
+
+def _check_cuda_graph(cfg, caps: EngineCaps) -> None:
+    t, o, pc = cfg.train, cfg.optim, cfg.precision
+    rules = [
+        (caps.cuda_graph, "engine", "megatron_fsdp"),
+        (o.impl == OptimImpl.te_fused, "optim.impl", "te_fused (capturable FusedAdam)"),
+        (not t.compile, "train.compile", "false"),
+        (t.grad_accum_steps == 1, "train.grad_accum_steps", "1"),
+        (cfg.sharding.zero_dp_strategy == ZeroStrategy.optim_grads_params, "sharding.zero_dp_strategy",
+         "optim_grads_params"),
+        # TE's fused loss was not captured in a graph here (its is_cg_capturable path is untested)
+        (not machine.uses_fused_loss(cfg), "model.loss_kernel", "torch"),
+    ]
+    for ok, key, allowed in rules:
+        if not ok:
+            raise ConfigError(key, "not supported with train.cuda_graph=full_iteration", allowed)
+    if pc.main_grads_dtype != pc.main_params_dtype and not cfg.engine.use_decoupled_grad:
+        raise ConfigError("precision.main_grads_dtype", "must equal main_params_dtype under full-iteration "
+                          "CUDA graphs (or set engine.use_decoupled_grad=true)", str(pc.main_params_dtype))
+
+
+def _check_checkpoint(ck) -> None:
+    if ck.interval < 0:
+        raise ConfigError("checkpoint.interval", f"must be >= 0, got {ck.interval}",
+                          "0 (final save only) or a step count")
+    if ck.keep_last < 1:
+        raise ConfigError("checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}")
+    if ck.load_step is not None and ck.load_step < 0:
+        raise ConfigError("checkpoint.load_step", f"must be >= 0, got {ck.load_step}")
+    if ck.load_weights_only and not ck.load_path:
+        raise ConfigError("checkpoint.load_weights_only", "needs checkpoint.load_path", "false")
+    if ck.load_step is not None and ck.resume == ResumeMode.never:
+        raise ConfigError("checkpoint.load_step", "conflicts with checkpoint.resume=never", "null")

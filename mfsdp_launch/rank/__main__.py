@@ -1,0 +1,4 @@
+from .entry import main
+from .worker import leave
+
+leave(main())

@@ -1,0 +1,181 @@
+"""One rank of a training job: the module that wires config -> mesh -> engine -> loop -> checkpoint,
+through the builders in rank/entry.pyruntime.py.
+
+Started on every rank by `python -m mfsdp_launch.rank --config RUN_DIR/config.yaml` (rank.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import List, NoReturn, Optional
+
+from ..core.console import eprint
+from ..core.errors import ConfigError
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="mfsdp_launch.rank.worker")
+    parser.add_argument("--config", required=True, help="the frozen config.yaml written by the launcher")
+    args = parser.parse_args(argv)
+    from ..planner.compose import load_frozen
+
+    try:
+        cfg = load_frozen(args.config)
+    except ConfigError as exc:
+        eprint(f"mfsdp-train: error: {exc}")
+        return 2
+    return run(cfg)
+
+
+def run_as_external_worker(cfg, overrides: List[str]) -> int:
+    """Under a torchrun/srun we did not start: every rank composed the same config; rank 0 freezes it."""
+    from ..planner.compose import save_frozen
+    from ..planner.resolve import resolve
+    from ..planner.validate import validate
+    from .runtime import dist_env
+
+    rank, _, world_size = dist_env()
+    # The job's shape is whatever torchrun/srun started, not what the config guessed.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world_size)))
+    cfg.launcher.nproc_per_node, cfg.launcher.nnodes = local, max(1, world_size // local)
+    cfg.launcher.node_rank = rank // local
+    resolve(cfg)
+    validate(cfg, check_hardware=False)
+    run_dir = Path(cfg.run.dir).expanduser().resolve()
+    cfg.run.dir = str(run_dir)
+    if rank == 0:
+        save_frozen(cfg, run_dir, overrides)
+    return run(cfg)
+
+
+def run(cfg) -> int:
+    from .runtime import dist_env
+
+    from ..checkpoint import CheckpointError
+
+    rank = dist_env()[0]
+    try:
+        code = _train(cfg)
+    except ConfigError as exc:  # raised the same on every rank
+        if rank == 0:
+            eprint(f"mfsdp-train: error: {exc}")
+        code = 2
+    except CheckpointError as exc:  # every rank raises it together, after agreeing on the failure
+        if rank == 0:
+            eprint(f"mfsdp-train: error: {exc}")
+        code = 1
+    except Exception as exc:  # noqa: BLE001 - reported, then the rank leaves at once
+        _leave_after_failure(rank, exc, cfg)
+    import gc
+
+    import torch.distributed as dist
+
+    # Collect the run's objects (FSDP modules hold reference cycles) while their process groups
+    # still exist: destroyed later, at interpreter exit, a gloo group can abort the process.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+def _leave_after_failure(rank: int, exc: BaseException, cfg) -> NoReturn:
+    """Print why this rank failed and exit without tearing the process groups down.
+
+    NCCL's teardown waits for the peers, and for every live CUDA graph that uses a communicator
+    (the traceback keeps the captured graph alive): a failed rank would hang there silently while
+    its peers wait for it, and torchrun would never see it fail and stop the job.
+    Out of GPU memory, the block starts with rank/entry.pyoom.py's one line, which is all the console shows.
+    """
+    import traceback
+
+    from . import oom
+
+    sys.stdout.flush()
+    if oom.is_oom(exc):
+        print(oom.oom_line(exc, rank, oom.estimate_gib(cfg)), file=sys.stderr)
+    else:
+        print(f"mfsdp-train: rank {rank} failed:", file=sys.stderr)
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _train(cfg) -> int:
+    import torch.distributed as dist
+
+    from ..core import rundir
+    from .loop import LoopContext, TrainState, train
+    from ..components.metrics import device_peak_tflops
+    from ..components.profiling import build_profiler
+    from .runtime import (build_checkpoints, build_io, build_training, dist_env, full_iteration_graph, init_runtime, val_batch_source)
+    from .stopping import StopControl
+    from .watchdog import StallWatchdog
+
+    watchdog = StallWatchdog(cfg.train.stall_dump_s, label=f"rank {dist_env()[0]}: ")
+    watchdog.start()  # covers start-up too (sharding, resume, the first step's capture or compile)
+    rt = init_runtime(cfg.engine, cfg.mesh)
+    tr = build_training(cfg, rt)
+    checkpoints = build_checkpoints(cfg, rt, tr.engine)
+    state = TrainState()
+    checkpoints.resume(tr.model, tr.optimizer, tr.scheduler, state)
+    io = build_io(cfg, rt, tr, resumed=state)
+    peak, peak_source = device_peak_tflops(rt.device, cfg.train.peak_tflops)
+    if rt.rank == 0:
+        _print_start(cfg, rt, tr, peak, peak_source)
+    # The STOP file, or SIGTERM/SIGINT/SIGHUP/SIGUSR1 sent straight to a rank (SLURM preemption):
+    # every rank checkpoints and stops at the same step.
+    stop = StopControl(cfg.run.dir, rt.rank, rt.control).install()
+
+    def stop_requested(step: int) -> bool:
+        watchdog.arm()  # called once per completed step
+        return stop.requested(step)
+
+    ctx = LoopContext(
+        engine=tr.engine, spec=tr.spec, optimizer=tr.optimizer, scheduler=tr.scheduler, next_batch=io.next_batch,
+        forward_context=tr.forward_context, device=rt.device, world_size=rt.world_size, dp_size=rt.dims.dp_size,
+        rank=rt.rank, peak_tflops=peak, metrics=io.metrics, checkpoints=checkpoints, stop_requested=stop_requested,
+        step_fn=full_iteration_graph(cfg, tr, io.next_batch, state.step, rt.control),
+        val_batch=val_batch_source(cfg, tr.spec, rt),
+        profiler=build_profiler(cfg.train, cfg.run.dir, rt.rank, rt.device),
+    )
+    try:
+        train(tr.forward_model, cfg.train, state, ctx)
+        checkpoints.wait()
+        if ctx.step_fn is not None:
+            ctx.step_fn.release()  # (on failure the rank exits without NCCL teardown: see run)
+    finally:
+        io.metrics.close()
+        watchdog.stop()
+    if rt.rank == 0:
+        (Path(cfg.run.dir) / rundir.STOP).unlink(missing_ok=True)
+    # Leave together: a rank that tears its process groups down while another still talks to it
+    # can abort in C++ at exit.
+    dist.barrier(group=rt.control)
+    return 0
+
+
+def _print_start(cfg, rt, tr, peak, peak_source) -> None:
+    if tr.fp8_kept:
+        kept = tr.fp8_kept
+        print(f"fp8.skip: {len(kept)} module(s) stay in {cfg.precision.compute_dtype}: {', '.join(kept[:4])}"
+              f"{' ...' if len(kept) > 4 else ''}", flush=True)
+    mfu = f"MFU against {peak:.0f} TFLOP/s ({peak_source})" if peak else f"MFU null ({peak_source})"
+    frozen = f" ({len(tr.frozen)} frozen tensors)" if tr.frozen else ""
+    print(f"model {cfg.model.name}: {tr.spec.num_params / 1e6:,.2f}M params{frozen}; engine {tr.engine.name}; "
+          f"mesh {rt.dims.shape}; device {rt.device.type}; {mfu}", flush=True)
+
+
+def leave(exit_code: int) -> NoReturn:
+    """Exit without interpreter teardown: the process groups are destroyed and every file closed
+    by now, and C++ destructors of gloo's threads at exit have aborted a rank ("terminate called
+    without an active exception") after a run that had finished."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    leave(main())

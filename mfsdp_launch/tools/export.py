@@ -1,0 +1,115 @@
+"""`mfsdp-export CKPT OUT`: a committed checkpoint's model weights as one plain file.
+
+    python -m mfsdp_launch.tools.export runs/x/checkpoints/step_40 model.safetensors --dtype bf16
+
+CKPT is a step directory, a `checkpoints/` directory or a run directory (the latter two give their
+newest intact checkpoint). The DCP shards are read in this process, without a process group, so
+it runs anywhere (no GPU, any world size). Only the model's tensors are kept; wrapper prefixes
+("module.", "_orig_mod.", ...) are stripped, so the keys are those of the unwrapped model's
+`state_dict()`. Floating-point tensors are cast to --dtype (default: as saved). The format is
+safetensors when the package is installed, else `torch.save`; the file gets the mode a new file
+gets under the umask (0644 under 022), and it and its directory are fsynced. Every file's checksum
+is verified first. Bad input, a damaged or unreadable checkpoint: one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, List, Optional
+
+from ..core.atomic_io import atomic_write_path
+from ..core.console import eprint
+from ..checkpoint.weights import read_model_state
+from ..core.errors import ConfigError
+
+if TYPE_CHECKING:
+    pass
+
+DTYPES = ("fp32", "bf16", "fp16", "as_saved")
+HF_DIR = "hf"  # --format: a Hugging Face directory (config.json + safetensors), models/llama/hf_export.py
+FORMATS = ("safetensors", "torch", HF_DIR)
+
+
+def _have_safetensors() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("safetensors") is not None
+
+
+def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_saved",
+           fmt: Optional[str] = None) -> dict:
+    import torch
+
+    if dtype not in DTYPES:
+        raise ConfigError("--dtype", f"unknown dtype {dtype!r}", DTYPES)
+    fmt = fmt or ("safetensors" if _have_safetensors() else "torch")
+    if fmt not in FORMATS:
+        raise ConfigError("--format", f"unknown format {fmt!r}", FORMATS)
+    if fmt == "safetensors" and not _have_safetensors():
+        raise ConfigError("--format", "safetensors is not installed (pip install safetensors)", "torch")
+    if fmt == HF_DIR:
+        from ..models.llama.hf_export import export_checkpoint
+
+        return export_checkpoint(ckpt, out, dtype=None if dtype == "as_saved" else dtype)
+    out = Path(out).expanduser().absolute()
+    if out.is_dir():
+        raise ConfigError("OUT", f"{out} is a directory; give a file name")
+    if not out.parent.is_dir():
+        raise ConfigError("OUT", f"{out.parent} does not exist")
+    state, found = read_model_state(ckpt)
+    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    tensors = {}
+    for k, t in state.items():
+        if target is not None and t.is_floating_point():
+            t = t.to(target)
+        tensors[k] = t.contiguous()
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        meta = {"step": str(found.step), "source": str(found.path)}
+        # safetensors writes by path only, into a new file (mode 0600) that replaces the path:
+        # atomic_write_path fsyncs whatever file is there by name and gives it the umask's mode.
+        atomic_write_path(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    else:
+        atomic_write_path(out, lambda tmp: torch.save(tensors, tmp))
+    n_params = sum(t.numel() for t in tensors.values())
+    return {"path": str(out), "step": found.step, "source": str(found.path), "tensors": len(tensors),
+            "params": n_params, "format": fmt, "bytes": out.stat().st_size}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage too)
+        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _Parser(
+        prog="mfsdp-export",
+        description="Write a committed checkpoint's model weights to one safetensors/torch file.")
+    parser.add_argument("ckpt", metavar="CKPT_DIR", help="step_<N> directory, checkpoints/ or run directory")
+    parser.add_argument("out", metavar="OUT", help="output file")
+    parser.add_argument("--dtype", default="as_saved", choices=DTYPES, help="cast floating tensors (default: as saved)")
+    parser.add_argument("--format", default=None, choices=FORMATS,
+                        help="default: safetensors if installed, else torch; hf: OUT is a Hugging Face directory")
+    args = parser.parse_args(argv)
+    from ..checkpoint.errors import CheckpointError, dcp_failures, describe
+
+    try:
+        info = export(args.ckpt, args.out, dtype=args.dtype, fmt=args.format)
+    except (ConfigError, CheckpointError) as exc:
+        eprint(f"mfsdp-export: error: {exc}")
+        return 2
+    except dcp_failures() as exc:  # a damaged shard, an unreadable file (DCP's BaseException too): one line
+        eprint(f"mfsdp-export: error: {describe(exc)}")
+        return 2
+    print(f"mfsdp-export: wrote {info['tensors']} tensors ({info['params']:,} parameters) of step "
+          f"{info['step']} to {info['path']} ({info['format']}, {info['bytes'] / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
