@@ -1,5 +1,5 @@
 """Reference training loop without the launcher: a DeviceMesh, fully_shard_model, the same GPT
-(mfsdp_launch.models.gpt_modules.GPT or te_modules.TEGPT), AdamW, timed steps. One JSON line on rank 0.
+(mfsdp_launch.models.llama.gpt_modules.GPT or te_modules.TEGPT), AdamW, timed steps. One JSON line on rank 0.
 
   torchrun --standalone --nproc-per-node 2 scripts/bare_loop.py --preset 1.4b --seq 2048 --mbs 4
   ... --model te_gpt --fp8 delayed [--fp8-params] [--profile 3]   (TE; profile prints top kernels)
@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer  # noqa: E402
-from mfsdp_launch.models.llama_dims import flops_per_token, resolve_gpt_dims  # noqa: E402
-from mfsdp_launch.config.schema import ModelConfig  # noqa: E402
+from mfsdp_launch.models.llama.dims import flops_per_token, resolve_gpt_dims  # noqa: E402
+from mfsdp_launch.core.schema import ModelConfig  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="gpt"); p.add_argument("--preset", default="1.4b")
@@ -34,7 +34,7 @@ torch.manual_seed(0)
 if a.model == "te_gpt":
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe as R
-    from mfsdp_launch.models.te_modules import TEGPT
+    from mfsdp_launch.models.llama.te_modules import TEGPT
     recipe = {"none": None, "delayed": R.DelayedScaling(), "current": R.Float8CurrentScaling(),
               "blockwise": R.Float8BlockScaling()}[a.fp8]
     init = te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True) if a.fp8_params else nullcontext()
@@ -43,7 +43,7 @@ if a.model == "te_gpt":
     units = [te.TransformerLayer, te.Linear]
     autocast = (lambda: te.autocast(enabled=True, recipe=recipe)) if recipe else None
 else:
-    from mfsdp_launch.models.gpt_modules import GPT, Block
+    from mfsdp_launch.models.llama.gpt_modules import GPT, Block
     with torch.device("meta"):
         model = GPT(dims, dtype=torch.bfloat16)
     units = [Block]

@@ -1,31 +1,26 @@
 """Throughput benchmark: engine x model size x micro-batch x precision, on the GPUs present.
 
-Each launcher entry is a real `python -m mfsdp_launch ...` run (synthetic data, no checkpoint
-save); tokens/s/GPU and MFU are the medians of its metrics.jsonl rows after the first (warm-up)
-row, peak memory the max. "bare" entries run scripts/bare_loop.py (no launcher) under torchrun
-in the same call, as the reference. Results merge into bench/results.json (by name) and are
-rendered to bench/results.md and bench/throughput.png.
+The matrix is data: bench/matrix.yaml holds the groups and their named entries (scripts/bench_matrix.py
+loads it). Each launcher entry is a real `python -m mfsdp_launch ...` run (synthetic data, no
+checkpoint save); tokens/s/GPU and MFU are the medians of its metrics.jsonl rows after the first
+(warm-up) row, peak memory the max. "bare" entries run scripts/bare_loop.py (no launcher) under
+torchrun in the same call, as the reference. Results merge into bench/results.json (by name) and
+are rendered to bench/results.md and bench/throughput.png.
 
+  python3 scripts/bench.py --list                 # the groups, what each measures, their entries
   python3 scripts/bench.py --group gpt            # bare loop + both engines on the 1.4B GPT
-  python3 scripts/bench.py --group te             # te_gpt d=4096: bf16 and each FP8 recipe
-  python3 scripts/bench.py --group te_profile     # torch.profiler tables, bf16 vs FP8 (bare loop)
-  python3 scripts/bench.py --group gpt_pair       # bare / launcher / bare / launcher, 40 steps each
-  python3 scripts/bench.py --group te_deep        # te_gpt d=4096 with 16 layers (fills ~half the GPU)
-  python3 scripts/bench.py --group hf_vs_gpt      # HF LlamaForCausalLM vs the built-in gpt, 1.4B dims, both engines
-  python3 scripts/bench.py --group memory         # estimate vs measured peak: 1.4b/3b x ZeRO x AC x tp x FP8
-  python3 scripts/bench.py --group memory8b       # the same axes at 8b
-  python3 scripts/bench.py --group ac_peak        # gpt 1.4b seq 4096 mbs 8: AC none / full / selective
-  python3 scripts/bench.py --group ac8b           # gpt 8b seq 8192: AC full / selective
-  python3 scripts/bench.py --group te_tp          # te_gpt 8b FP8 delayed: tp=2 vs tp=1
-  python3 scripts/bench.py --group cp32k          # gpt and te_gpt 3b at seq 32768: cp=2 vs cp=1
+  python3 scripts/bench.py --group te --group te_profile
+  python3 scripts/bench.py --only te8b_opt_ref --only te8b_opt_all3
   python3 scripts/bench.py --group memory --dry   # the planned runs and their estimates; runs nothing
   python3 scripts/bench.py --report               # re-render md/png from results.json
 
-The memory groups (MEMORY_GROUPS) also render bench/memory.md: each run's dry-run estimate
-(computed here from the same overrides), its measured peak (allocated and reserved), and the
-reference points of bench/memory_reference.json. A run that runs out of memory is recorded as OOM
-with its estimate. Every run is bounded (`timeout`, default 600 s); on expiry the launcher and all
-its descendants (torchrun, the ranks) are killed, so no rank keeps a GPU.
+The memory groups (`memory: true` in the matrix) also render bench/memory.md: each run's dry-run
+estimate (computed here from the same overrides), its measured peak (allocated and reserved), and
+the reference points of bench/memory_reference.json. A run that runs out of memory is recorded as
+OOM with its estimate. Every run is bounded (`timeout`, default 600 s); on expiry the launcher and
+all its descendants (torchrun, the ranks) are killed, so no rank keeps a GPU. The run output goes to
+bench/bench.log and a profiled launcher run's kernel table to bench/top_ops_<name>.txt (both
+git-ignored: summarize a device session in bench/reports/ instead).
 """
 
 from __future__ import annotations
@@ -42,25 +37,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_report  # noqa: E402  (issue 16's now/after table and the peers' notes under results.md)
+from bench_matrix import ABOUT, GROUPS, MATRIX, MEMORY_GROUPS, entry  # noqa: E402,F401  (bench/matrix.yaml)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench"
 
-GPT = dict(model="gpt", preset="1.4b", seq=2048, mbs=4, precision="bf16")
-TE = dict(model="te_gpt", preset="2b", seq=4096, mbs=4, precision="bf16")
-
-
-def entry(name, group, kind="launcher", engine="megatron_fsdp", fp8_params=False, **kw):
-    return dict(name=name, group=group, kind=kind, engine=engine, fp8_params=fp8_params, **kw)
-
 
 def hf_llama_config(preset: str) -> dict:
-    """The LlamaConfig fields of a gpt preset's dims (one mapping: mfsdp_launch/hf/config.py)."""
+    """The LlamaConfig fields of a gpt preset's dims (one mapping: mfsdp_launch/models/llama/hf_config.py)."""
     from types import SimpleNamespace
 
     sys.path.insert(0, str(ROOT))
-    from mfsdp_launch.hf.config import llama_config
-    from mfsdp_launch.models.llama_dims import resolve_gpt_dims
+    from mfsdp_launch.models.llama.hf_config import llama_config
+    from mfsdp_launch.models.llama.dims import resolve_gpt_dims
 
     dims = resolve_gpt_dims(SimpleNamespace(preset=preset, norm_eps=1e-5, rope_theta=10000.0))
     skip = ("architectures", "model_type", "torch_dtype", "dtype")
@@ -70,164 +59,6 @@ def hf_llama_config(preset: str) -> dict:
 def hydra_dict(d: dict) -> str:
     """A flat dict as a Hydra override value: {a: 1, b: false}."""
     return "{" + ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in d.items()) + "}"
-
-
-MATRIX = [
-    # The 1.4B plain-torch GPT (d=2048, 24 layers), seq 2048, bf16, ZeRO-3.
-    entry("bare_gpt_1.4b_bf16_mbs4", "gpt", kind="bare", engine="bare megatron_fsdp", **GPT),
-    entry("mfsdp_gpt_1.4b_bf16_mbs4", "gpt", **GPT),
-    entry("fsdp2_gpt_1.4b_bf16_mbs4", "gpt", engine="fsdp2", **GPT),
-    entry("mfsdp_gpt_1.4b_bf16_mbs8", "gpt", **dict(GPT, mbs=8)),
-    entry("mfsdp_gpt_350m_bf16_mbs4", "gpt_more", **dict(GPT, preset="350m")),
-    # TE GPT, d=4096, 8 layers (preset 2b), seq 4096: bf16 and each FP8 recipe, with and
-    # without FP8 primary weights (fp8.params: FP8 all-gather, no per-step weight casts).
-    entry("mfsdp_te_gpt_2b_bf16_mbs4", "te", **TE),
-    entry("mfsdp_te_gpt_2b_delayed_mbs4", "te", **dict(TE, precision="delayed")),
-    entry("mfsdp_te_gpt_2b_current_mbs4", "te", **dict(TE, precision="current")),
-    entry("mfsdp_te_gpt_2b_blockwise_mbs4", "te", **dict(TE, precision="blockwise")),
-    entry("mfsdp_te_gpt_2b_delayed_params_mbs4", "te", fp8_params=True, **dict(TE, precision="delayed")),
-    entry("mfsdp_te_gpt_2b_current_params_mbs4", "te", fp8_params=True, **dict(TE, precision="current")),
-    entry("mfsdp_te_gpt_1.4b_bf16_mbs4", "te_more", **dict(GPT, model="te_gpt")),
-    entry("mfsdp_te_gpt_2b_bf16_mbs8", "te_more", **dict(TE, mbs=8)),
-    entry("mfsdp_te_gpt_2b_delayed_params_mbs8", "te_more", fp8_params=True, **dict(TE, mbs=8, precision="delayed")),
-    # The launcher-vs-bare ratio, interleaved (A B A B) so drift between runs hits both sides.
-    *[entry(f"{kind}_gpt_1.4b_bf16_mbs4_pair{i}", "gpt_pair", kind=kind,
-            engine="bare megatron_fsdp" if kind == "bare" else "megatron_fsdp", steps=40, log_interval=10, **GPT)
-      for i in (1, 2) for kind in ("bare", "launcher")],
-    # te_gpt d=4096 with 16 layers (3.5B params): bf16 and the two fastest FP8 recipes.
-    entry("mfsdp_te_gpt_2b_l16_bf16_mbs4", "te_deep", n_layers=16, **TE),
-    entry("mfsdp_te_gpt_2b_l16_delayed_mbs4", "te_deep", n_layers=16, **dict(TE, precision="delayed")),
-    entry("mfsdp_te_gpt_2b_l16_current_mbs4", "te_deep", n_layers=16, **dict(TE, precision="current")),
-    # The same 1.4B Llama dims as a Hugging Face LlamaForCausalLM (model=hf, SDPA) next to the
-    # built-in gpt, both engines, in one call (A B A B per engine).
-    *[entry(f"{engine_tag}_{model}_1.4b_bf16_mbs4_hfcmp", "hf_vs_gpt", engine=engine,
-            **dict(GPT, model=model))
-      for engine_tag, engine in (("mfsdp", "megatron_fsdp"), ("fsdp2", "fsdp2")) for model in ("gpt", "hf")],
-    # Where the time goes (torch.profiler, bare loop on the same TE GPT).
-    entry("profile_te_gpt_2b_bf16", "te_profile", kind="bare", engine="bare megatron_fsdp", profile=3, **TE),
-    entry("profile_te_gpt_2b_delayed_params", "te_profile", kind="bare", engine="bare megatron_fsdp", profile=3,
-          fp8_params=True, **dict(TE, precision="delayed")),
-    entry("profile_te_gpt_2b_delayed", "te_profile", kind="bare", engine="bare megatron_fsdp", profile=3,
-          **dict(TE, precision="delayed")),
-]
-
-
-# --- memory: estimate vs measured (2 GPUs, seq 4096, 6 steps, launcher.force_memory=true) ---------
-MEMORY_GROUPS = ("memory", "memory8b", "ac_peak", "ac8b", "te_tp", "cp32k", "memory_reference")
-MEM = dict(seq=4096, precision="bf16", steps=6, log_interval=2, force=True, timeout=300)
-
-
-def mem_entry(name, group, model="gpt", preset="1.4b", mbs=1, engine="megatron_fsdp", **kw):
-    return entry(name, group, engine=engine, **dict(MEM, model=model, preset=preset, mbs=mbs, **kw))
-
-
-MATRIX += [
-    # One axis at a time from gpt 1.4b mbs 2 (Megatron-FSDP, ZeRO-3, no AC, tp 1, bf16).
-    mem_entry("mem_gpt_1.4b_z3", "memory", mbs=2),
-    mem_entry("mem_gpt_1.4b_z2", "memory", mbs=2, zero=2),
-    mem_entry("mem_gpt_1.4b_z1", "memory", mbs=2, zero=1),
-    mem_entry("mem_gpt_1.4b_z3_acfull", "memory", mbs=2, ac="full"),
-    mem_entry("mem_fsdp2_gpt_1.4b_z3", "memory", mbs=2, engine="fsdp2"),
-    mem_entry("mem_fsdp2_gpt_1.4b_z3_tp2", "memory", mbs=2, engine="fsdp2", tp=2),
-    mem_entry("mem_fsdp2_gpt_3b_z3_tp2", "memory", preset="3b", mbs=2, engine="fsdp2", tp=2),  # out of the fit
-    mem_entry("mem_te_gpt_1.4b_z3_fp8", "memory", model="te_gpt", mbs=2, precision="delayed"),
-    # 3b (tied 128k vocab: the fp32 loss buffers are a third of it).
-    mem_entry("mem_gpt_3b_z3", "memory", preset="3b", mbs=2),
-    mem_entry("mem_gpt_3b_z3_acfull", "memory", preset="3b", mbs=2, ac="full"),
-    # 8b (a group of its own: each run starts in ~1 min): ZeRO-1 keeps the whole bf16 model and its
-    # fp32 gradients on every rank (~118 GiB estimated).
-    mem_entry("mem_gpt_8b_z3", "memory8b", preset="8b"),
-    mem_entry("mem_gpt_8b_z3_acfull", "memory8b", preset="8b", ac="full"),
-    mem_entry("mem_gpt_8b_z1", "memory8b", preset="8b", zero=1),
-    mem_entry("mem_fsdp2_gpt_8b_z3_tp2", "memory8b", preset="8b", engine="fsdp2", tp=2),
-    mem_entry("mem_te_gpt_8b_z3_fp8", "memory8b", model="te_gpt", preset="8b", precision="delayed"),
-    # AC acceptance (issue 15): full <= 0.6x none at gpt 1.4b, seq 4096, mbs 8.
-    *[mem_entry(f"acpeak_gpt_1.4b_mbs8_{ac}", "ac_peak", mbs=8, ac=ac, steps=8) for ac in ("none", "full", "selective")],
-    # gpt 8b at seq 8192 (7,850 tokens/s/GPU was measured at seq 4096 without AC).
-    *[mem_entry(f"ac8b_gpt_8b_s8192_{ac}", "ac8b", preset="8b", seq=8192, ac=ac, steps=8) for ac in ("full", "selective")],
-    # te_gpt 8b FP8 delayed at the measured 126 GiB point: tp=2 (TE tp_group + sequence parallel) vs tp=1.
-    *[mem_entry(f"tetp_te_gpt_8b_delayed_s8192_tp{tp}", "te_tp", model="te_gpt", preset="8b", seq=8192,
-                precision="delayed", tp=tp, steps=8) for tp in (1, 2)],
-    # seq 32768 on 2 GPUs, 3b without AC: cp=1 is estimated far over an H200 (gpt ~175, te_gpt ~155 GiB:
-    # 28 blocks at 32k tokens plus 47 GiB of fp32 loss buffers for the 128k vocab), cp=2 halves the
-    # tokens per rank and fits (~103 / ~92 GiB). 8b with AC full would sit at ~134 GiB for cp=1: too
-    # close to the H200's 139.8 GiB to say OOM.
-    *[mem_entry(f"cp32k_{model}_3b_cp{cp}", "cp32k", model=model, preset="3b", seq=32768, cp=cp, steps=5,
-                log_interval=1) for model in ("gpt", "te_gpt") for cp in (2, 1)],
-]
-
-
-# --- te_gpt 8b FP8 at seq 8192 (issue 16 goal 1: >= 15,000 tokens/s/GPU on 2 H200s) --------------
-# The measured point is 13,733 (FP8 delayed, grad_accum 8, 126 GiB of 140). The first run repeats it
-# and profiles its last step (top kernels into bench/top_ops_<name>.txt); the others change one
-# thing each: expandable allocator segments (at 126 GiB the caching allocator may be freeing and
-# re-mapping blocks: the rows' alloc_retries say), current scaling (Megatron-Bridge's FP8-CS), FP8
-# primary weights (slower at d=4096 on NVLink; re-checked where memory is tight).
-TE8B = dict(model="te_gpt", preset="8b", seq=8192, mbs=1, ga=8, precision="delayed", steps=6, log_interval=1,
-            timeout=300)
-EXPSEG = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-MATRIX += [
-    entry("te8b_delayed_ga8", "te8b", extra=["train.profile={start: 6, steps: 1}"], **TE8B),
-    entry("te8b_delayed_ga8_expseg", "te8b", env=EXPSEG, **TE8B),
-    entry("te8b_current_ga8_expseg", "te8b", env=EXPSEG, **dict(TE8B, precision="current")),
-    entry("te8b_delayed_params_ga8_expseg", "te8b", env=EXPSEG, fp8_params=True, **TE8B),
-]
-# Second round (te8b_opt), after the profile: the reference again, then one change each and all
-# together. bf16 gradients halve the reduce-scatter bytes (and 8 GiB of gradient buffer; what
-# Megatron-FSDP's guide recommends, --grad-reduce-in-bf16); TE's fused cross-entropy drops the fp32
-# copy of the 8192 x 128256 logits and its softmax kernels; FP8 attention (fp8.attention) runs the
-# cuDNN attention, ~1/4 of the step at seq 8192, on FP8 inputs. (NCCL user buffers, engine.nccl_ub,
-# are not measured: Megatron's allocator turns on NVLink multicast, which this GPU machine keeps off.)
-BF16_GRADS, FUSED_CE, FP8_ATTN = "precision.main_grads_dtype=bf16", "model.loss_kernel=te_fused", "fp8.attention=true"
-ALL3 = [BF16_GRADS, FUSED_CE, FP8_ATTN]
-MATRIX += [
-    entry("te8b_opt_ref", "te8b_opt", **TE8B),
-    entry("te8b_opt_bf16grads", "te8b_opt", extra=[BF16_GRADS], **TE8B),
-    entry("te8b_opt_fusedce", "te8b_opt", extra=[FUSED_CE], **TE8B),
-    entry("te8b_opt_fp8attn", "te8b_opt", extra=[FP8_ATTN], **TE8B),
-    entry("te8b_opt_all3", "te8b_opt", extra=ALL3, **TE8B),
-    # With the ~15 GiB the first two free, ZeRO-2 fits: the weights stay whole, so no all-gather per
-    # micro-batch (the bf16 all-gather was 11.7 % of kernel time), one per step after the update.
-    entry("te8b_opt_all3_z2", "te8b_opt", zero=2, extra=ALL3, **TE8B),
-    entry("te8b_opt_all3_ga16", "te8b_opt", extra=ALL3, **dict(TE8B, ga=16, steps=5)),
-]
-# The same changes on one GPU (no communication): the 8b's layer at seq 8192, 8 of its 32 layers, so
-# the attention / GEMM / loss mix per token is the 8b's while the model fits one H200.
-TE8B_L8 = dict(TE8B, n_layers=8)
-MATRIX += [
-    entry("te8bl8_ref", "te8b_l8", **TE8B_L8),
-    entry("te8bl8_fusedce", "te8b_l8", extra=[FUSED_CE], **TE8B_L8),
-    entry("te8bl8_fp8attn", "te8b_l8", extra=[FP8_ATTN], **TE8B_L8),
-    entry("te8bl8_all3", "te8b_l8", extra=ALL3, **TE8B_L8),
-    # where the rest of the time goes with all three (last step profiled: bench/top_ops_<name>.txt)
-    entry("te8bl8_all3_profile", "te8b_l8_profile", extra=[*ALL3, "train.profile={start: 6, steps: 1}"], **TE8B_L8),
-]
-# gpt 1.4b towards 50 % MFU (issue 16 goal 2), seq 2048: the plain-torch gpt compiled per block
-# with the fused loss, and the same architecture on TE layers (fused RMSNorm, SwiGLU, RoPE, attention),
-# at micro-batch 8 (50 GiB; mbs 4 is the peers' setting, in scripts/bench_peers.py).
-MATRIX += [
-    entry("gpt14_mfsdp_gpt_mbs8_compile_fusedce", "gpt14_opt", extra=["train.compile=true", FUSED_CE],
-          **dict(GPT, mbs=8)),
-    # its kernels (one GPU: the compute alone, without FSDP's communication)
-    entry("gpt14_mfsdp_gpt_mbs8_compile_fusedce_profile", "gpt14_profile",
-          extra=["train.compile=true", FUSED_CE, "train.profile={start: 10, steps: 1}"], steps=12, **dict(GPT, mbs=8)),
-    entry("gpt14_mfsdp_te_gpt_mbs8", "gpt14_opt", **dict(GPT, model="te_gpt", mbs=8)),
-    entry("gpt14_mfsdp_te_gpt_mbs8_fusedce", "gpt14_opt", extra=[FUSED_CE],
-          **dict(GPT, model="te_gpt", mbs=8)),
-    # TE's multi-tensor FusedAdam, and 4 micro-batches per step to spread the optimizer and the clip
-    entry("gpt14_mfsdp_te_gpt_mbs8_fusedce_fusedadam_ga4", "gpt14_opt", extra=[FUSED_CE, "optim.impl=te_fused"],
-          **dict(GPT, model="te_gpt", mbs=8, ga=4)),
-]
-# The issue's other "now" rows, re-measured: te_gpt 8b on the hfsdp_fp8 recipe's mesh on one node
-# (dp_outer=2, outer ZeRO-1, seq 4096; FP8 delayed and bf16) and gpt 8b bf16 at seq 4096.
-HFSDP8B = dict(model="te_gpt", preset="8b", seq=4096, mbs=1, steps=8, log_interval=2, timeout=300,
-               outer=(2, "optim"))
-MATRIX += [
-    entry("now_te_gpt_8b_hfsdp_delayed_s4096", "now8b", **dict(HFSDP8B, precision="delayed")),
-    entry("now_te_gpt_8b_hfsdp_bf16_s4096", "now8b", **dict(HFSDP8B, precision="bf16")),
-    entry("now_gpt_8b_bf16_s4096", "now8b", model="gpt", preset="8b", seq=4096, mbs=1, precision="bf16", steps=8,
-          log_interval=2, timeout=300),
-]
 
 
 def memory_reference() -> list:
@@ -292,7 +123,7 @@ def run_bounded(cmd: list, timeout: float, env: dict = None) -> subprocess.Compl
     the ranks, which sit in sessions of their own) get SIGKILL, so no rank keeps a GPU; the result
     then has returncode -9 and "timed out" on stderr."""
     sys.path.insert(0, str(ROOT))
-    from mfsdp_launch.supervise import kill_tree
+    from mfsdp_launch.launcher.supervise import kill_tree
 
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -325,7 +156,7 @@ def run_launcher(e: dict, world: int, steps: int, log_interval: int, log) -> dic
     if (run_dir / "metrics.jsonl").exists():
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     if proc.returncode != 0 or not rows:
-        from mfsdp_launch.oom import LINE_RE
+        from mfsdp_launch.rank.oom import LINE_RE
 
         oom = next((x for x in proc.stderr.splitlines() if LINE_RE.match(x)), None)
         return dict(e, ok=False, oom=oom is not None, error=(oom or proc.stderr or proc.stdout)[-800:], world=world,
@@ -370,10 +201,10 @@ def estimate_entry(e: dict, world: int) -> dict:
     """The dry run's per-rank estimate for an entry, from the overrides its run uses (no torch):
     {"estimate_gib", "parts"} or {"refused": the one-line ConfigError}."""
     sys.path.insert(0, str(ROOT))
-    from mfsdp_launch.config.compose import compose
-    from mfsdp_launch.errors import ConfigError
-    from mfsdp_launch.launch import check
-    from mfsdp_launch.memory import GIB, estimate
+    from mfsdp_launch.planner.compose import compose
+    from mfsdp_launch.core.errors import ConfigError
+    from mfsdp_launch.launcher.launch import check
+    from mfsdp_launch.planner.memory import GIB, estimate
     from mfsdp_launch.mesh import ParallelDims, world_size
 
     args = launcher_args(e, world, e.get("steps", 6), e.get("log_interval", 2), Path(tempfile.gettempdir()) / "bench-dry")
@@ -549,7 +380,7 @@ def render_memory(res: dict) -> None:
                   key=lambda r: order.get(r["name"], 999))
     lines = [f"# Memory: the dry-run estimate against the measured peak ({res.get('device', '?')})", "",
              "Written by `scripts/bench.py --group memory` (and ac_peak, ac8b, te_tp, cp32k). The estimate is "
-             "today's `mfsdp_launch/memory.py` for the run's overrides; it aims at the **reserved** peak "
+             "today's `mfsdp_launch/planner/memory.py` for the run's overrides; it aims at the **reserved** peak "
              "(torch.cuda.max_memory_reserved, what runs out); `allocated` is max_memory_allocated. "
              "Target: within 15 % of reserved. OOM: the run ran out of memory (the estimate says by how much "
              "it should have). bf16 compute, fp32 main weights and gradients, synthetic data, "
@@ -586,10 +417,18 @@ def render_memory(res: dict) -> None:
     (OUT / "memory.md").write_text("\n".join(lines) + "\n")
 
 
+def list_matrix() -> int:
+    """--list: each group with what it measures, then its entries (and what one measures, if said)."""
+    for group, spec in GROUPS.items():
+        print(f"{group}{' (memory)' if spec['memory'] else ''}: {spec['about']}".rstrip(": "))
+        for name in spec["names"]:
+            print(f"  {name}" + (f"  # {ABOUT[name]}" if name in ABOUT else ""))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--group", action="append", default=[],
-                    help="gpt | gpt_pair | te | te_deep | te_more | te_profile | hf_vs_gpt | te8b | " + " | ".join(MEMORY_GROUPS))
+    ap.add_argument("--group", action="append", default=[], help=" | ".join([*GROUPS, "memory_reference"]))
     ap.add_argument("--only", action="append", default=[], help="entry names")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--log-interval", type=int, default=5)
@@ -597,7 +436,10 @@ def main() -> int:
     ap.add_argument("--log", default=str(OUT / "bench.log"))
     ap.add_argument("--dry", action="store_true", help="print the planned runs and their memory estimates; run nothing")
     ap.add_argument("--world", type=int, default=2, help="GPUs assumed by --dry (default 2)")
+    ap.add_argument("--list", action="store_true", help="print the matrix's groups and entries; run nothing")
     a = ap.parse_args()
+    if a.list:
+        return list_matrix()
     if a.dry:
         pool = MATRIX + (memory_reference() if "memory_reference" in a.group else [])
         return plan([e for e in pool if e["group"] in a.group or e["name"] in a.only], a.world)

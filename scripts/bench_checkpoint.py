@@ -33,8 +33,8 @@ def _child(rank: int, world: int, port: int, workdir: Path, preset: str, device_
     from mfsdp_launch.engines.fsdp2 import FSDP2Engine
     from mfsdp_launch.mesh import ParallelDims
     from mfsdp_launch.models import build_model_spec
-    from mfsdp_launch.config.schema import CheckpointConfig, Config, EngineConfig, PrecisionConfig, ShardingConfig
-    from mfsdp_launch.config.sharding import ZeroStrategy
+    from mfsdp_launch.core.schema import CheckpointConfig, Config, EngineConfig, PrecisionConfig, ShardingConfig
+    from mfsdp_launch.core.sharding import ZeroStrategy
 
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -64,7 +64,7 @@ def _child(rank: int, world: int, port: int, workdir: Path, preset: str, device_
 
     spec, engine, model, opt = build(0)
     n_params = spec.num_params
-    from mfsdp_launch.models.llama_dims import resolve_gpt_dims
+    from mfsdp_launch.models.llama.dims import resolve_gpt_dims
 
     ids = torch.randint(0, resolve_gpt_dims(cfg.model).vocab_size, (1, 33), device=device)
     loss = spec.loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})

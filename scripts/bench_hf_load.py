@@ -26,10 +26,10 @@ def write_checkpoint(out: Path, preset: str) -> float:
     """A random bf16 LlamaForCausalLM directory (config.json + sharded safetensors); its GiB."""
     import torch
 
-    from mfsdp_launch.hf.config import llama_config
-    from mfsdp_launch.hf.export import write_hf_dir
-    from mfsdp_launch.hf.llama_keys import hf_shapes
-    from mfsdp_launch.models.llama_dims import resolve_gpt_dims
+    from mfsdp_launch.models.llama.hf_config import llama_config
+    from mfsdp_launch.models.llama.hf_export import write_hf_dir
+    from mfsdp_launch.models.llama.hf_keys import hf_shapes
+    from mfsdp_launch.models.llama.dims import resolve_gpt_dims
     from types import SimpleNamespace
 
     dims = resolve_gpt_dims(SimpleNamespace(preset=preset, norm_eps=1e-5, rope_theta=500000.0))

@@ -147,7 +147,7 @@ def mfu_of(tokens_per_s_per_gpu: float, peak_tflops: Optional[float]) -> Optiona
         return None
     from types import SimpleNamespace
 
-    from mfsdp_launch.models.llama_dims import flops_per_token, resolve_gpt_dims
+    from mfsdp_launch.models.llama.dims import flops_per_token, resolve_gpt_dims
 
     dims = resolve_gpt_dims(SimpleNamespace(preset="1.4b", norm_eps=1e-5, rope_theta=10000.0))
     return flops_per_token(dims, SEQ) * tokens_per_s_per_gpu / (peak_tflops * 1e12)
@@ -299,7 +299,7 @@ def main() -> int:
 def run_plan(plan, kit: Path, logs: Path, a) -> int:
     import torch
 
-    from mfsdp_launch.hardware import peak_tflops_for
+    from mfsdp_launch.core.hardware import peak_tflops_for
 
     if torch.cuda.device_count() < WORLD:
         print(f"bench_peers: needs {WORLD} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)

@@ -34,7 +34,7 @@ SMALL = dict(preset="125m", seq=2048, precision="bf16", engine="megatron_fsdp")
 VARIANTS = {
     "eager": [],
     "compile": ["train.compile=true"],
-    # Full-iteration CUDA graphs: validation's rules (config/validate.py _check_cuda_graph).
+    # Full-iteration CUDA graphs: validation's rules (planner/validate.py _check_cuda_graph).
     "graph": ["train.cuda_graph=full_iteration", "optim.impl=te_fused"],
 }
 

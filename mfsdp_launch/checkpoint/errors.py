@@ -1,6 +1,7 @@
 """The run-time checkpoint error, and each failure of a save or load told in one line."""
 
 from __future__ import annotations
+from ..core.names import first_line
 
 from typing import Dict, List, Tuple
 
@@ -44,7 +45,7 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def _one_line(exc: BaseException) -> str:
-    first = (str(exc).strip().splitlines() or [""])[0]
+    first = first_line(exc)
     if len(first) > 160 and ". " in first:  # a paragraph (torch.load's advice): its first sentence
         first = first[:first.index(". ") + 1]
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -47,19 +47,13 @@ def check_sharding(zero: ZeroStrategy, outer: OuterStrategy, *, dp_outer: int, m
     return warnings
 
 
-# Measured on 2xH200 (te_gpt 8b, FP8 delayed, seq 4096; docs/performance.md): the HFSDP mesh
-# (dp_outer=2, dp_shard=1) against plain FSDP (dp_shard=2) on the same node.
-SINGLE_NODE_HFSDP = (10_493, 13_983)
-
-
 def single_node_outer_warning(dp_outer: int, nnodes: int, world: int) -> List[str]:
     """dp_outer>1 with every rank on one node: the outer dimension buys nothing that NVLink needs."""
     if dp_outer < 2 or nnodes > 1:
         return []
-    hfsdp, fsdp = SINGLE_NODE_HFSDP
     return [f"mesh.dp_outer={dp_outer} with all {world} ranks on one node: HSDP/HFSDP pay off across nodes; "
-            f"here plain FSDP (mesh.dp_outer=1) is faster (HFSDP measured {hfsdp / fsdp:.2f}x FSDP: "
-            f"{hfsdp:,} vs {fsdp:,} tokens/s/GPU, te_gpt 8b FP8 seq 4096 on 2xH200; docs/performance.md)"]
+            "within one node plain FSDP (mesh.dp_outer=1) shards over NVLink and is faster "
+            "(docs/performance.md has the measurement)"]
 
 
 def shard_factors(zero: ZeroStrategy, outer: OuterStrategy, shard_size: int, dp_outer: int) -> dict:

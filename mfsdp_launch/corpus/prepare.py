@@ -30,6 +30,7 @@ import numpy as np
 from ..core.errors import ConfigError
 from . import inputs, shard_writer, shards, tokenizer as tk
 from .progress import Progress
+from ..core.names import first_line
 
 PROGRESS = "progress.jsonl"
 STOP_AFTER_ENV = "MFSDP_DATA_STOP_AFTER"  # tests: behave as if Ctrl-C came after N shards
@@ -292,7 +293,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"mfsdp-data {a.cmd}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:  # an unreadable file, a full disk: still one line
-        first = (str(e).strip().splitlines() or [""])[0]
+        first = first_line(e)
         print(f"mfsdp-data {a.cmd}: error: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
         return 1
 

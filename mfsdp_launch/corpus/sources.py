@@ -23,6 +23,7 @@ from ..core.errors import ConfigError
 from . import shards as _shards
 from .formats import FlatShard
 from .indexed import MegatronShard, Shard
+from ..core.names import first_line
 
 ALLOWED = ("a prepared directory (manifest.json), a Megatron PREFIX with .bin/.idx, "
            "a nanoGPT/llm.c .bin, or a glob of these")
@@ -96,7 +97,7 @@ def resolve(spec: str, *, key: str, eos_id: Optional[int] = None, cache_dir: Opt
         except (ValueError, OSError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(key, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            raise ConfigError(key, first_line(e, type(e).__name__)) from None
         src.kinds.append(kind)
     return src
 

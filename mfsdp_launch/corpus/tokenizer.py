@@ -11,6 +11,7 @@ import os
 from typing import Iterable, Optional
 
 from ..core.errors import ConfigError
+from ..core.names import first_line
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
@@ -36,7 +37,7 @@ def load(path: str, key: str = "--tokenizer"):
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # the library raises plain Exception for a malformed file
-        first = (str(e).splitlines() or [""])[0]
+        first = first_line(e)
         raise ConfigError(key, f"cannot load {path!r}: {first}") from None
 
 

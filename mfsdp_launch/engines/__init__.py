@@ -3,13 +3,13 @@ get one (imported lazily: each engine module imports its backend)."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Dict, FrozenSet
 
 from ..core.dtypes import WIDE_DTYPES, Dtype
 from ..core.sharding import OuterStrategy, ZeroStrategy
 from ..core.errors import ConfigError
+from ..core.names import import_object
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,7 @@ def engine_caps(name: str) -> EngineCaps:
 
 def get_engine(name: str, **kwargs):
     """An Engine instance (see engines/base.py) of the named engine."""
-    module, cls = engine_caps(name).target.split(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return import_object(engine_caps(name).target, key="engine")(**kwargs)
 
 
 __all__ = ["ENGINES", "EngineCaps", "engine_caps", "foreign_engine_keys", "get_engine"]

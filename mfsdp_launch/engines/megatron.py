@@ -34,6 +34,7 @@ from ..components.precision import torch_dtype
 from .base import Engine, local_tensor
 from .megatron_plan import MegatronPlan, plan_megatron_fsdp
 from .te_state import TE_EXTRA_STATE, load_te_extra_state, te_extra_state
+from ..core.names import first_line
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -49,7 +50,7 @@ def import_megatron_fsdp():
     try:
         import megatron_fsdp
     except Exception as exc:  # noqa: BLE001 - see docstring
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = first_line(exc)
         raise RuntimeError(f"engine=megatron_fsdp: cannot import megatron_fsdp "
                            f"({type(exc).__name__}: {first}); a half-installed Transformer Engine "
                            "causes this too") from exc

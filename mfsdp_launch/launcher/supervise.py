@@ -215,7 +215,7 @@ class OutputRouter:
         if root_rank in self.held:  # (a rank killed by a signal printed nothing: the others' errors follow from it)
             block = self.held[root_rank]
             self.root_oom = bool(OOM_LINE.match(block[0]))
-            # Out of GPU memory: its one line (rank/entry.pyoom.py); the traceback stays in logs/rank<N>.stderr.log.
+            # Out of GPU memory: its one line (rank/oom.py); the traceback stays in logs/rank<N>.stderr.log.
             self.console.write("".join(block[:1] if self.root_oom else block), sys.stderr, to_log=False)
         others = sorted(r for r in self.held if r != root_rank)
         if others:

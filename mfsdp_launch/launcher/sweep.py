@@ -33,6 +33,7 @@ from typing import List, Optional
 
 from ..core.atomic_io import atomic_write_text
 from ..core.errors import ConfigError
+from ..core.names import exception_line
 from ..core import exit_codes, rundir
 from . import launch
 from ..core.console import eprint
@@ -97,7 +98,7 @@ def run_sweep(argv: List[str]) -> int:
                 eprint(f"mfsdp-train: error: {_explain(config_error_from(exc), exc)}")
                 return exit_codes.CONFIG
             # E.g. a launcher plugin whose job was killed (timeout, preemption): its JobReturn raises.
-            eprint(f"mfsdp-train: sweep aborted: {type(exc).__name__}: {_first_line(str(exc))}")
+            eprint(f"mfsdp-train: sweep aborted: {exception_line(exc)}")
             aborted = True
     finally:
         GlobalHydra.instance().clear()
@@ -252,7 +253,7 @@ def sweep_job(cfg) -> dict:
     except Exception as exc:  # anything else: record it, keep sweeping
         eprint(f"mfsdp-train: sweep job #{num} {label}: failed: {type(exc).__name__}: {exc}")
         status["traceback"] = traceback.format_exc()
-        return finish("failed", error=f"{type(exc).__name__}: {_first_line(str(exc))}")
+        return finish("failed", error=exception_line(exc))
 
 
 def _run_job(job_cfg, overrides: List[str], jdir: Path, finish) -> dict:
@@ -286,11 +287,6 @@ def _run_job(job_cfg, overrides: List[str], jdir: Path, finish) -> dict:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
-def _first_line(text: str) -> str:
-    text = text.strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -8,13 +8,11 @@ from it. Validation, the dry run, the checkpoint manifest and the worker ask the
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from ..core.errors import ConfigError
+from ..core.names import import_object
 
 if TYPE_CHECKING:
     import torch
@@ -201,32 +199,14 @@ def resolve_unit_modules(names: Sequence[str]) -> tuple:
 
     classes = []
     for name in map(str, names):
-        obj, error = _import_dotted(name)
-        if obj is None:
-            raise ConfigError("model.fsdp_unit_modules", f"cannot resolve {name!r} ({error})")
+        try:
+            obj = import_object(name, key="model.fsdp_unit_modules")
+        except ConfigError as exc:
+            raise ConfigError(exc.key, f"cannot resolve {name!r} ({exc.problem})") from None
         if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
             raise ConfigError("model.fsdp_unit_modules", f"{name!r} is not an nn.Module class")
         classes.append(obj)
     return tuple(classes)
-
-
-def _import_dotted(name: str):
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj: Any = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        except Exception as exc:  # noqa: BLE001 - a broken package (e.g. half-installed TE)
-            return None, f"importing {module_name} failed: {type(exc).__name__}: {exc}"
-        try:
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            return None, f"{module_name} has no attribute {'.'.join(parts[cut:])!r}"
-        return obj, ""
-    return None, "no importable module prefix"
 
 
 def find_module(model: "nn.Module", cls: type) -> "nn.Module":
@@ -235,44 +215,3 @@ def find_module(model: "nn.Module", cls: type) -> "nn.Module":
         if isinstance(module, cls):
             return module
     raise TypeError(f"no {cls.__name__} inside {type(model).__name__}")
-
-
-def _logits(model: "nn.Module", batch: dict) -> "torch.Tensor":
-    """A batch with "doc_ids" (data.doc_mask) passes them on, so that attention stays inside each
-    document."""
-    doc_ids = batch.get("doc_ids")
-    return model(batch["input_ids"]) if doc_ids is None else model(batch["input_ids"], doc_ids=doc_ids)
-
-
-def lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
-    """Mean next-token cross-entropy over all tokens, computed in fp32."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(_logits(model, batch).float().flatten(0, 1), batch["labels"].flatten())
-
-
-IGNORE_INDEX = -100  # F.cross_entropy's default, kept by the fused kernel too
-
-
-def te_fused_lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
-    """`lm_loss` through TE's fused cross-entropy (model.loss_kernel=te_fused): one kernel reads the
-    bf16 logits and computes the loss in fp32, instead of an fp32 copy of the logits, a log-softmax
-    and its saved output (at a 128k vocabulary, 1.5 MB per token). Nothing else reads the logits, so
-    backward may write their gradient over them (TE >= 2.20's overwrite_input)."""
-    from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy
-
-    labels = batch["labels"]
-    in_place = {"overwrite_input": True} if _te_ce_overwrites(parallel_cross_entropy) else {}
-    per_token = parallel_cross_entropy(_logits(model, batch), labels, reduce_loss=False, ignore_idx=IGNORE_INDEX,
-                                       **in_place)
-    return per_token.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
-
-
-@functools.lru_cache(maxsize=None)
-def _te_ce_overwrites(fn: Callable) -> bool:
-    return "overwrite_input" in inspect.signature(fn).parameters
-
-
-def loss_for(kernel) -> Callable:
-    """The loss function of a `model.loss_kernel` value."""
-    return te_fused_lm_loss if str(kernel) == "te_fused" else lm_loss

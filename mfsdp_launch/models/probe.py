@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 
 from ..core.errors import ConfigError
+from ..core.names import exception_line, import_object
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,10 +56,9 @@ def probe(fn: str, m, *, crash_key: str) -> dict:
 
 
 def _call(fn: str, spec: dict) -> dict:
-    module, _, name = fn.partition(":")
     with warnings.catch_warnings():  # a model's construction warnings would break the one-line errors
         warnings.simplefilter("ignore")
-        return getattr(importlib.import_module(module), name)(spec)
+        return import_object(fn, key="model")(spec)
 
 
 def _run_here(fn: str, spec: dict, crash_key: str) -> dict:
@@ -68,19 +67,20 @@ def _run_here(fn: str, spec: dict, crash_key: str) -> dict:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's code failed while building
-        raise ConfigError(crash_key, f"building the model failed ({_first_line(exc)})") from exc
+        raise ConfigError(crash_key, f"building the model failed ({exception_line(exc)})") from exc
 
 
 _CHILD = """\
 import json, sys
 from mfsdp_launch.core.errors import ConfigError
-from mfsdp_launch.models.probe import _MARK, _call, _first_line
+from mfsdp_launch.core.names import exception_line
+from mfsdp_launch.models.probe import _MARK, _call
 try:
     out = {"ok": _call(sys.argv[1], json.loads(sys.argv[2]))}
 except ConfigError as exc:
     out = {"error": [exc.key, exc.problem, exc.allowed]}
 except BaseException as exc:
-    out = {"crash": _first_line(exc)}
+    out = {"crash": exception_line(exc)}
 print("\\n" + _MARK + json.dumps(out), flush=True)  # on a line of its own, whatever the model printed
 """
 
@@ -104,8 +104,6 @@ def _run_isolated(fn: str, spec: dict, crash_key: str) -> dict:
     return out["ok"]
 
 
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}".rstrip(": ")
 
 
 # ------------------------------------------------------------------------------- measuring

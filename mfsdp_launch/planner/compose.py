@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..core import rundir
 from ..core.atomic_io import atomic_write_text
 from ..core.errors import ConfigError
+from ..core.names import first_line
 from ..core.schema import Config
 
 SCHEMA_NAME = "mfsdp_schema"
@@ -118,13 +119,13 @@ def config_error_from(exc: BaseException) -> ConfigError:
             allowed = _schema_keys(parent)
             return ConfigError(key, "unknown key", allowed or None)
         if isinstance(err, ValidationError) and getattr(err, "full_key", None):
-            return ConfigError(err.full_key, _first_line(getattr(err, "msg", str(err))))
+            return ConfigError(err.full_key, first_line(getattr(err, "msg", str(err)), "invalid value"))
         if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
-            return ConfigError(err.full_key, _first_line(getattr(err, "msg", str(err))))
+            return ConfigError(err.full_key, first_line(getattr(err, "msg", str(err)), "invalid value"))
 
     text = str(exc)
     if "Error parsing override" in text:
-        return ConfigError("overrides", _first_line(text), "key=value, +key=value, group=option")
+        return ConfigError("overrides", first_line(text, "invalid value"), "key=value, +key=value, group=option")
     missing = re.search(r"Could not find '([\w/.-]+)/([\w.-]+)'", text)
     if missing:
         group, option = missing.group(1), missing.group(2)
@@ -135,11 +136,7 @@ def config_error_from(exc: BaseException) -> ConfigError:
         key = missing_group.group(1)
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         return ConfigError(key, "unknown key", _schema_keys(parent) or None)
-    return ConfigError("overrides", _first_line(text))
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "invalid value"
+    return ConfigError("overrides", first_line(text, "invalid value"))
 
 
 def explain(exc: ConfigError) -> ConfigError:

@@ -12,6 +12,7 @@ from ..core.hardware import local_gpu_count
 from ..models import family
 from ..core.fp8 import FP8Recipe
 from ..core.schema import Backend, LossKernel, OptimImpl
+from ..core.names import first_line
 
 
 def import_problem(module: str, probe: bool) -> str:
@@ -28,7 +29,7 @@ def import_problem(module: str, probe: bool) -> str:
             warnings.simplefilter("ignore")
             importlib.import_module(module)
     except Exception as exc:  # a half-installed TE raises RuntimeError/OSError, not ImportError
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        first = first_line(exc)[:200]
         return f"installed but broken ({type(exc).__name__}: {first})"
     return ""
 

@@ -115,7 +115,7 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                     print(f"stopping at step {state.step} on request; checkpoint saved", flush=True)
                 break
     except Exception as exc:
-        note_step(exc, state.step + 1)  # the step it escaped from, for the one-line OOM report (rank/entry.pyoom.py)
+        note_step(exc, state.step + 1)  # the step it escaped from, for the one-line OOM report (rank/oom.py)
         raise
     finally:
         if progress is not None:

@@ -1,5 +1,5 @@
 """One rank of a training job: the module that wires config -> mesh -> engine -> loop -> checkpoint,
-through the builders in rank/entry.pyruntime.py.
+through the builders in rank/runtime.py.
 
 Started on every rank by `python -m mfsdp_launch.rank --config RUN_DIR/config.yaml` (rank.py).
 """
@@ -87,7 +87,7 @@ def _leave_after_failure(rank: int, exc: BaseException, cfg) -> NoReturn:
     NCCL's teardown waits for the peers, and for every live CUDA graph that uses a communicator
     (the traceback keeps the captured graph alive): a failed rank would hang there silently while
     its peers wait for it, and torchrun would never see it fail and stop the job.
-    Out of GPU memory, the block starts with rank/entry.pyoom.py's one line, which is all the console shows.
+    Out of GPU memory, the block starts with rank/oom.py's one line, which is all the console shows.
     """
     import traceback
 

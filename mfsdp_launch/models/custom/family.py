@@ -1,5 +1,5 @@
 """Family `custom`: the user's own `nn.Module`, built by `model.target=pkg.module:function` with
-`model.kwargs` (docs/models.md, "Your own model"; the rules live in models/custom/family/user_model.py).
+`model.kwargs` (docs/models.md, "Your own model"; the rules live in models/custom/user_model.py).
 
 Everything the launcher asks before spawning (checks, parameter count, FLOPs, memory, vocab,
 names) comes from one meta-device build in a short-lived process (models/probe.py), cached for the
@@ -152,11 +152,11 @@ def _check_contract(model, loss: str, vocab: int, asked) -> None:
     that cannot run on the meta device (data-dependent code) is not checked here."""
     import torch
 
-    from . import user_model as um
+    from ..losses import output_logits
 
     ids = torch.zeros((1, 8), dtype=torch.long, device="meta")
     try:
-        out = model(ids, ids) if loss == "model" else um._logits(model(ids))
+        out = model(ids, ids) if loss == "model" else output_logits(model(ids))
     except Exception:  # noqa: BLE001 - not runnable on meta: the worker will tell
         return
     how = f"model.loss={asked}" + (f" (resolved to {loss})" if str(asked) == "auto" else "")

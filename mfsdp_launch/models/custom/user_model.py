@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections import Counter
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, 
 
 from ...core.schema import ModelLoss
 from ...core.errors import ConfigError
+from ...core.names import import_object
+from .. import losses
 from ..llama.dims import lm_flops_per_token
 
 if TYPE_CHECKING:
@@ -35,62 +36,6 @@ LOSS_MODES = tuple(mode.value for mode in ModelLoss)
 
 
 # ------------------------------------------------------------------------------- resolution
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}".rstrip(": ")
-
-
-def import_object(spec: str, *, key: str) -> Any:
-    """`pkg.module:attr.path` or `pkg.module.attr` -> the object; one ConfigError line otherwise."""
-    spec = str(spec).strip()
-    if ":" in spec:
-        module_name, _, attrs = spec.partition(":")
-        if not module_name or not attrs or ":" in attrs:
-            raise ConfigError(key, f"{spec!r} is not of the form pkg.module:function")
-        return _getattrs(_import(module_name, spec, key), module_name, attrs.split("."), key)
-    parts = spec.split(".")
-    if len(parts) < 2 or not all(parts):
-        raise ConfigError(key, f"{spec!r} is not of the form pkg.module:function or pkg.module.function")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
-        module_name = ".".join(parts[:cut])
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if not _on_path(module_name, exc):  # the module imports something missing
-                raise ConfigError(key, f"importing {module_name!r} failed ({_first_line(exc)})") from exc
-            continue
-        except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
-            raise ConfigError(key, f"importing {module_name!r} failed ({_first_line(exc)})") from exc
-        return _getattrs(module, module_name, parts[cut:], key)
-    raise ConfigError(key, f"cannot import {spec!r}: no module named {parts[0]!r} "
-                           "(is its directory on PYTHONPATH?)")
-
-
-def _import(module_name: str, spec: str, key: str):
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if _on_path(module_name, exc):
-            raise ConfigError(key, f"cannot import {spec!r}: no module named {exc.name!r} "
-                                   "(is its directory on PYTHONPATH?)") from exc
-        raise ConfigError(key, f"importing {module_name!r} failed ({_first_line(exc)})") from exc
-    except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
-        raise ConfigError(key, f"importing {module_name!r} failed ({_first_line(exc)})") from exc
-
-
-def _on_path(module_name: str, exc: ModuleNotFoundError) -> bool:
-    """Whether the missing module is `module_name` or one of its parent packages."""
-    return exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + "."))
-
-
-def _getattrs(obj: Any, module_name: str, attrs: Sequence[str], key: str) -> Any:
-    for i, attr in enumerate(attrs):
-        if not hasattr(obj, attr):
-            owner = ".".join([module_name, *attrs[:i]])
-            raise ConfigError(key, f"{owner!r} has no attribute {attr!r}")
-        obj = getattr(obj, attr)
-    return obj
 
 
 def resolve_target(spec: str, *, key: str = "model.target") -> Callable:
@@ -210,42 +155,12 @@ def resolve_loss_mode(model: "nn.Module", mode: str = "auto") -> str:
     return "model" if takes_labels else "cross_entropy"
 
 
-def _logits(out: Any) -> "torch.Tensor":
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
-
-
-def cross_entropy_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
-    """Mean next-token cross-entropy (fp32) of `model(input_ids)`'s logits against the
-    pre-shifted labels."""
-    import torch.nn.functional as F
-
-    logits, labels = _logits(model(batch["input_ids"])), batch["labels"]
-    if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
-        raise RuntimeError(f"model.loss=cross_entropy: the model returned {tuple(logits.shape)} for input_ids "
-                           f"{tuple(labels.shape)}; the contract is logits [B, T, vocab]")
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
-def model_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
-    """The scalar loss `model(input_ids, labels)` returns (a tensor or an output with .loss)."""
-    out = model(batch["input_ids"], batch["labels"])
-    loss = out.loss if hasattr(out, "loss") else out
-    if not hasattr(loss, "ndim") or loss.ndim != 0:
-        shape = tuple(loss.shape) if hasattr(loss, "shape") else type(loss).__name__
-        raise RuntimeError(f"model.loss=model: forward(input_ids, labels) returned {shape}, not a scalar loss")
-    return loss
-
-
 def loss_fn(mode: str) -> Callable[["nn.Module", dict], "torch.Tensor"]:
     """The loss function of a resolved mode ("cross_entropy" or "model")."""
     if mode == "cross_entropy":
-        return cross_entropy_loss
+        return losses.cross_entropy_loss
     if mode == "model":
-        return model_loss
+        return losses.model_loss
     raise ConfigError("model.loss", f"unknown loss {mode!r}", LOSS_MODES[1:])
 
 

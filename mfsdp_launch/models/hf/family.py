@@ -1,7 +1,7 @@
 """Family `hf`: a Hugging Face causal LM from a local directory (`model.path`) or a config dict
 (`model.hf_config` + `model.hf_class`), optionally with its pretrained safetensors weights
 (`model.pretrained=true`, read slice by slice into the sharded model). The rules live in
-models/hf/family/model.py and models/hf_weights.py; docs/models.md has the user's view.
+models/hf/model.py and models/hf_weights.py; docs/models.md has the user's view.
 
 As for `custom`, the launcher's checks and sizes come from one meta-device build in a short-lived
 process (models/probe.py). Without transformers, `model=hf` is one line naming the extra.
@@ -63,7 +63,7 @@ class HFFamily(MeasuredFamily):
 
     def spec(self, m, seq_len: int) -> ModelSpec:
         from . import model as H
-        from ..custom.user_model import cross_entropy_loss
+        from ..losses import cross_entropy_loss
         from ...components.precision import torch_dtype
         from ..family import resolve_unit_modules
 

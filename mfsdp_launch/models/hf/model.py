@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 from ...core.errors import ConfigError
 from ..llama.hf_config import CONFIG_FILE
+from ...core.names import first_line
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +100,7 @@ def resolve_hf_model(path: Optional[str] = None, hf_config: Optional[Mapping[str
         try:
             config = transformers.AutoConfig.from_pretrained(str(local), local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - an unknown model_type, remote code, bad JSON
-            first = (str(exc).strip().splitlines() or [""])[0]
+            first = first_line(exc)
             raise ConfigError("model.path", f"{local / CONFIG_FILE}: {type(exc).__name__}: {first}") from exc
     elif hf_class:
         fields = {k: v for k, v in dict(hf_config).items() if k != "model_type"}  # the class decides it
@@ -111,7 +112,7 @@ def resolve_hf_model(path: Optional[str] = None, hf_config: Optional[Mapping[str
         try:
             config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
         except ValueError as exc:
-            raise ConfigError("model.hf_config", str(exc).strip().splitlines()[0]) from exc
+            raise ConfigError("model.hf_config", first_line(exc)) from exc
     causal, _, _ = _causal_lm_names(transformers)
     archs = list(getattr(config, "architectures", None) or [])
     name = hf_class or (archs[0] if archs else causal.get(getattr(config, "model_type", None)))

@@ -6,7 +6,8 @@ from typing import List
 
 from ...core.errors import ConfigError
 from . import dims as L
-from ..family import ModelContext, ModelFamily, ModelSpec, Parallel, find_module, loss_for
+from ..family import ModelContext, ModelFamily, ModelSpec, Parallel, find_module
+from ..losses import loss_for
 
 
 class GPTFamily(ModelFamily):

@@ -1,5 +1,5 @@
 """Families `toy_cnn`, `toy_transformer`, `te_toy_transformer`: the seed test's toy models
-(models/toys/family/modules.py, te_modules.py) on their fixed synthetic (input, target) pair.
+(models/toys/modules.py, te_modules.py) on their fixed synthetic (input, target) pair.
 
 Dimensions follow the seed (DIM_SIZE=2, NUM_LAYERS=2, 2 heads); the TE toy defaults to the seed's
 quantized test (model_dim=64), since FP8 GEMMs need dims divisible by 16. The seed builds their

@@ -1,0 +1,86 @@
+"""How a batch becomes the scalar loss: the built-in families' next-token cross-entropy (torch, or
+TE's fused kernel) and `model=custom`/`model=hf`'s batch contracts (docs/models.md)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+IGNORE_INDEX = -100  # F.cross_entropy's default, kept by the fused kernel too
+
+
+def _gpt_logits(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """A batch with "doc_ids" (data.doc_mask) passes them on, so that attention stays inside each
+    document."""
+    doc_ids = batch.get("doc_ids")
+    return model(batch["input_ids"]) if doc_ids is None else model(batch["input_ids"], doc_ids=doc_ids)
+
+
+def lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """Mean next-token cross-entropy over all tokens, computed in fp32."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(_gpt_logits(model, batch).float().flatten(0, 1), batch["labels"].flatten())
+
+
+def te_fused_lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """`lm_loss` through TE's fused cross-entropy (model.loss_kernel=te_fused): one kernel reads the
+    bf16 logits and computes the loss in fp32, instead of an fp32 copy of the logits, a log-softmax
+    and its saved output (at a 128k vocabulary, 1.5 MB per token). Nothing else reads the logits, so
+    backward may write their gradient over them (TE >= 2.20's overwrite_input)."""
+    from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy
+
+    labels = batch["labels"]
+    in_place = {"overwrite_input": True} if _te_ce_overwrites(parallel_cross_entropy) else {}
+    per_token = parallel_cross_entropy(_gpt_logits(model, batch), labels, reduce_loss=False, ignore_idx=IGNORE_INDEX,
+                                       **in_place)
+    return per_token.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _te_ce_overwrites(fn: Callable) -> bool:
+    return "overwrite_input" in inspect.signature(fn).parameters
+
+
+def loss_for(kernel) -> Callable:
+    """The loss function of a `model.loss_kernel` value."""
+    return te_fused_lm_loss if str(kernel) == "te_fused" else lm_loss
+
+
+# --- model=custom / model=hf: the batch contract (model.loss) -------------------------------------
+
+
+def output_logits(out: Any) -> "torch.Tensor":
+    """The logits of a model's output: a tensor, a tuple's first item, or an HF output's `.logits`."""
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+def cross_entropy_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """Mean next-token cross-entropy (fp32) of `model(input_ids)`'s logits against the
+    pre-shifted labels."""
+    import torch.nn.functional as F
+
+    logits, labels = output_logits(model(batch["input_ids"])), batch["labels"]
+    if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
+        raise RuntimeError(f"model.loss=cross_entropy: the model returned {tuple(logits.shape)} for input_ids "
+                           f"{tuple(labels.shape)}; the contract is logits [B, T, vocab]")
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def model_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """The scalar loss `model(input_ids, labels)` returns (a tensor or an output with .loss)."""
+    out = model(batch["input_ids"], batch["labels"])
+    loss = out.loss if hasattr(out, "loss") else out
+    if not hasattr(loss, "ndim") or loss.ndim != 0:
+        shape = tuple(loss.shape) if hasattr(loss, "shape") else type(loss).__name__
+        raise RuntimeError(f"model.loss=model: forward(input_ids, labels) returned {shape}, not a scalar loss")
+    return loss
