@@ -167,7 +167,7 @@ class ModelConfig:
     activation_checkpointing: ACMode = ACMode.none
     ac_every: int = 2
     loss_kernel: LossKernel = LossKernel.torch
-    # model=custom (models/custom.py): `pkg.module:function` building the nn.Module, its keyword
+    # model=custom (models/custom/family.py): `pkg.module:function` building the nn.Module, its keyword
     # arguments, an optional `pkg.module:fn(model)` initializing it, and the batch contract.
     # kwargs/hf_config are `Any` (a mapping, checked by the family): a typed Dict field would be
     # struct-locked by Hydra, refusing `model.kwargs={dim: 512}` as unknown keys.
@@ -175,7 +175,7 @@ class ModelConfig:
     kwargs: Any = None
     init_fn: Optional[str] = None
     loss: ModelLoss = ModelLoss.auto
-    # model=hf (models/hf.py): a local HF directory, or a config dict plus the class name.
+    # model=hf (models/hf/family.py): a local HF directory, or a config dict plus the class name.
     path: Optional[str] = None
     hf_config: Any = None
     hf_class: Optional[str] = None

@@ -97,7 +97,7 @@ class ModelFamily:
     tp_mode = Parallel.NONE
     cp_mode = Parallel.NONE
     attention = True  # has attention heads that tp must divide
-    # Its numbers come from a meta-device build in a short-lived process (models/custom.py, models/hf/__init__.py):
+    # Its numbers come from a meta-device build in a short-lived process (models/custom/family.py, models/hf/__init__.py):
     # unit sizes are measured, and name globs were checked there.
     measured = False
     activation_checkpointing = False  # has blocks that model.activation_checkpointing can wrap
