@@ -176,8 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             from ..rank.worker import run_as_external_worker
 
             return run_as_external_worker(cfg, overrides)
-        warnings = check(cfg)
-        return run_checked(cfg, warnings, overrides)
+        return run_checked(cfg, check(cfg), overrides)
     except ConfigError as exc:
         eprint(f"mfsdp-train: error: {explain(exc)}")
         return exit_codes.CONFIG

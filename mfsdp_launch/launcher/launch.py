@@ -12,7 +12,8 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 from ..core import exit_codes, rundir
 from ..core.rank_env import diagnostics_env, package_root, rank_module
@@ -21,23 +22,31 @@ from ..core.errors import ConfigError
 
 
 
-def check(cfg) -> List[str]:
-    """Resolve and validate a composed config; returns its warnings, raises ConfigError."""
+@dataclass
+class Checked:
+    """A config that passed `check`: its mesh degrees (built once) and its warnings."""
+
+    dims: Any
+    warnings: List[str]
+
+
+def check(cfg) -> Checked:
+    """Resolve and validate a composed config, raises ConfigError."""
     from ..planner.resolve import resolve
     from ..planner.validate import validate
     from .runlock import check_run_dir
 
-    resolve(cfg)
+    dims = resolve(cfg)
 
     # A dry run is prepared on a machine that need not run it, and it resumes nothing.
     if cfg.launcher.dry_run:
         check_run_dir_text(cfg.run.dir)
     else:
         cfg.run.dir = str(check_run_dir(cfg.run.dir))
-    warnings = validate(cfg, check_hardware=not cfg.launcher.dry_run)
+    warnings = validate(cfg, dims, check_hardware=not cfg.launcher.dry_run)
     if not cfg.launcher.dry_run:
         _preflight(cfg)
-    return warnings
+    return Checked(dims, warnings)
 
 
 def check_run_dir_text(value) -> None:
@@ -45,14 +54,14 @@ def check_run_dir_text(value) -> None:
         raise ConfigError("run.dir", "is empty", "a directory path, e.g. run.dir=runs/my_run")
 
 
-def run_checked(cfg, warnings: List[str], overrides: List[str]) -> int:
+def run_checked(cfg, checked: Checked, overrides: List[str]) -> int:
     """Show the dry run, or print the warnings and launch: a config that passed `check`."""
     if cfg.launcher.dry_run:
         from ..planner.dryrun import render
 
-        render(cfg, warnings)
+        render(cfg, checked.warnings, dims=checked.dims)
         return exit_codes.OK
-    for w in warnings:
+    for w in checked.warnings:
         eprint(f"mfsdp-train: warning: {w}")
     return launch(cfg, overrides)
 

@@ -259,10 +259,10 @@ def sweep_job(cfg) -> dict:
 def _run_job(job_cfg, overrides: List[str], jdir: Path, finish) -> dict:
 
     dry = job_cfg.launcher.dry_run
-    warnings = launch.check(job_cfg)  # also resume compatibility with what the job dir holds
+    checked = launch.check(job_cfg)  # also resume compatibility with what the job dir holds
     if not dry:
         (jdir / rundir.JOB_DONE).unlink(missing_ok=True)  # a stale marker for fewer steps
-    rc = launch.run_checked(job_cfg, warnings, overrides)
+    rc = launch.run_checked(job_cfg, checked, overrides)
     if dry:
         return finish("dry_run", exit_code=0)
     if job_cfg.launcher.kind == "slurm":

@@ -22,5 +22,4 @@ def prepare(overrides: Iterable[str], *, check_hardware: bool = True):
     from .validate import validate
 
     cfg = compose(overrides)
-    resolve(cfg)
-    return cfg, validate(cfg, check_hardware=check_hardware)
+    return cfg, validate(cfg, resolve(cfg), check_hardware=check_hardware)

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import sys
-from typing import List
+from typing import List, Optional
 
 from .memory import GIB, estimate
 from ..mesh import ParallelDims, world_size
 from ..models import family
 
 
-def render(cfg, warnings: List[str], console=None) -> None:
+def render(cfg, warnings: List[str], console=None, dims: Optional[ParallelDims] = None) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 140)
-    dims = ParallelDims.from_config(cfg.mesh, world_size(cfg.launcher))
+    dims = dims or ParallelDims.from_config(cfg.mesh, world_size(cfg.launcher))
     lc = cfg.launcher
     console.print(f"[bold]mfsdp-launch dry run[/bold]: run.dir={cfg.run.dir}")
     console.print(

@@ -5,7 +5,7 @@ capabilities in engines/, model rules in each model family, data rules in data.p
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from omegaconf import OmegaConf
 
@@ -24,12 +24,13 @@ from ..models.meta import meta_names, meta_names_isolated
 from . import machine
 
 
-def validate(cfg, *, check_hardware: bool = True) -> List[str]:
-    """Check a resolved `cfg`; returns warnings. `check_hardware=False` for dry runs and sbatch."""
+def validate(cfg, dims: Optional[ParallelDims] = None, *, check_hardware: bool = True) -> List[str]:
+    """Check a resolved `cfg` (with the degrees `resolve` returned); returns warnings.
+    `check_hardware=False` for dry runs and sbatch."""
     warnings: List[str] = []
     caps = engine_caps(cfg.engine.name)
     _check_launcher(cfg.launcher)
-    dims = ParallelDims.from_config(cfg.mesh, world_size(cfg.launcher))
+    dims = dims or ParallelDims.from_config(cfg.mesh, world_size(cfg.launcher))
     _check_mesh(cfg.mesh, dims, caps)
     warnings += _check_sharding(cfg, dims, caps)
     warnings += _check_precision(cfg.precision, caps)

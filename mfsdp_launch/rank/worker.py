@@ -42,8 +42,7 @@ def run_as_external_worker(cfg, overrides: List[str]) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world_size)))
     cfg.launcher.nproc_per_node, cfg.launcher.nnodes = local, max(1, world_size // local)
     cfg.launcher.node_rank = rank // local
-    resolve(cfg)
-    validate(cfg, check_hardware=False)
+    validate(cfg, resolve(cfg), check_hardware=False)
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)
     if rank == 0:
