@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer  # noqa: E402
 from mfsdp_launch.models.llama.dims import flops_per_token, resolve_gpt_dims  # noqa: E402
-from mfsdp_launch.core.schema import ModelConfig  # noqa: E402
+from mfsdp_launch.models.llama.config import GPTModelConfig  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="gpt"); p.add_argument("--preset", default="1.4b")
@@ -27,7 +27,7 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
 mesh = init_device_mesh("cuda", (1, world, 1, 1), mesh_dim_names=("dp_outer", "dp_shard", "cp", "tp"))
-cfg = ModelConfig(name=a.model, preset=a.preset, params_dtype="bf16", n_layers=a.n_layers)
+cfg = GPTModelConfig(name=a.model, preset=a.preset, params_dtype="bf16", n_layers=a.n_layers)
 dims = resolve_gpt_dims(cfg)
 recipe = autocast = None
 torch.manual_seed(0)

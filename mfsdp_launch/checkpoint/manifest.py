@@ -166,13 +166,12 @@ def shape_of(section: dict) -> Optional[dict]:
     fields (a section written as the raw model config)."""
     if isinstance(section.get("shape"), dict):
         return section["shape"]
-    from ..core.schema import ModelConfig
+    from ..models import section_from
 
-    base = ModelConfig()
-    for k, v in section.items():
-        if hasattr(base, k):
-            setattr(base, k, v)
-    return model_shape(base)
+    try:
+        return model_shape(section_from(section))
+    except Exception:  # noqa: BLE001 - an unknown family: validation's business, as in model_shape
+        return None
 
 
 def incompatibilities(current: dict, manifest: dict, *, weights_only: bool) -> List[Tuple[str, Any, Any]]:

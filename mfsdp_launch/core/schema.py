@@ -82,21 +82,13 @@ class MeshConfig:
 
 @dataclass
 class EngineConfig:
+    """The keys every engine reads; each engine's section (engines/config.py) extends it."""
+
     name: str = "fsdp2"
     # Distributed backend; null picks nccl when CUDA is present, else gloo.
     backend: Optional[Backend] = None
-    report_nan_in_param_grad: bool = False
-    # Megatron-FSDP only: overlap/communication knobs passed through to fully_shard_model.
-    keep_fp8_transpose_cache: bool = False
-    use_decoupled_grad: bool = False
     # Every microbatch all-reduces/reduce-scatters when true; else only the last one does.
     sync_every_microbatch: bool = False
-    # Megatron-FSDP only: NCCL user buffers (symmetric registration: all-gather / reduce-scatter on
-    # ~5 SMs instead of ~20, so overlapped GEMMs keep theirs; needs torch >= 2.11 and megatron-core
-    # or apex, whose allocator also sets NCCL_NVLS_ENABLE=1). Turns on fsdp_double_buffer:
-    # persistent communication buffers, more memory. Not measured here (docs/performance.md).
-    nccl_ub: bool = False
-    fsdp_double_buffer: bool = False
 
 
 @dataclass
@@ -141,22 +133,13 @@ class ModelLoss(Choice):
 
 @dataclass
 class ModelConfig:
+    """The keys every family reads. Each family's section extends it with its own keys (registered
+    by the family's package: models/llama/config.py, toys/, custom/, hf/), so a key another family
+    reads is unknown to this one."""
+
     name: str = "gpt"
-    # gpt/te_gpt size preset; dims below override it when set.
-    preset: str = "tiny"
-    dim: Optional[int] = None
-    n_layers: Optional[int] = None
-    n_heads: Optional[int] = None
-    n_kv_heads: Optional[int] = None
-    ffn_dim: Optional[int] = None
-    vocab_size: Optional[int] = None
-    tie_embeddings: Optional[bool] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # Toy models: output dim and TE options, as in the seed.
-    output_dim: Optional[int] = None
-    fuse_qkv: bool = False
-    # TE models: null follows precision.compute_dtype (resolved).
+    # TE models, custom and hf: the dtype parameters are built in; null follows
+    # precision.compute_dtype (resolved).
     params_dtype: Optional[Dtype] = None
     init_on_meta: bool = False
     # Globs over parameter names; matches get requires_grad=False and no optimizer state.
@@ -166,22 +149,6 @@ class ModelConfig:
     # none | full (every block) | selective (every ac_every-th block); models/activation_checkpoint.py.
     activation_checkpointing: ACMode = ACMode.none
     ac_every: int = 2
-    loss_kernel: LossKernel = LossKernel.torch
-    # model=custom (models/custom/family.py): `pkg.module:function` building the nn.Module, its keyword
-    # arguments, an optional `pkg.module:fn(model)` initializing it, and the batch contract.
-    # kwargs/hf_config are `Any` (a mapping, checked by the family): a typed Dict field would be
-    # struct-locked by Hydra, refusing `model.kwargs={dim: 512}` as unknown keys.
-    target: Optional[str] = None
-    kwargs: Any = None
-    init_fn: Optional[str] = None
-    loss: ModelLoss = ModelLoss.auto
-    # model=hf (models/hf/family.py): a local HF directory, or a config dict plus the class name.
-    path: Optional[str] = None
-    hf_config: Any = None
-    hf_class: Optional[str] = None
-    pretrained: bool = False  # load model.path's safetensors into the sharded model
-    # gpt/te_gpt: start from a Llama-layout HF directory (dims from its config.json).
-    init_from: Optional[str] = None
 
 
 @dataclass
@@ -340,11 +307,13 @@ class LoggingConfig:
 @dataclass
 class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    # Typed by the engine's section (engines/config.py) when the engine group is composed.
+    engine: Any = field(default_factory=EngineConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # Typed by the family's section (models/*/config.py) when the model group is composed.
+    model: Any = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -9,6 +9,8 @@ from typing import Dict, FrozenSet
 from ..core.dtypes import WIDE_DTYPES, Dtype
 from ..core.sharding import OuterStrategy, ZeroStrategy
 from ..core.errors import ConfigError
+from ..core.schema import EngineConfig
+from .config import FSDP2Config, MegatronFSDPConfig
 from ..core.names import import_object
 
 
@@ -28,8 +30,7 @@ class EngineCaps:
     tp_modes: FrozenSet[str] = frozenset()
     cp_modes: FrozenSet[str] = frozenset()
     why_not: str = ""  # appended to refusals: what to use instead
-    # engine.* switches only this engine reads (validation warns when another engine gets them).
-    own_keys: FrozenSet[str] = frozenset()
+    section: type = EngineConfig  # its `engine` config section (engines/config.py)
 
 
 ENGINES: Dict[str, EngineCaps] = {
@@ -42,8 +43,7 @@ ENGINES: Dict[str, EngineCaps] = {
             # Its own tp/cp mesh dims: TE layers' groups, or replicas over them (the seed's toys);
             # it averages gradients over dp_shard x cp, so all-gather attention runs too.
             tp_modes=frozenset({"te", "replicate"}), cp_modes=frozenset({"te", "replicate", "allgather"}),
-            own_keys=frozenset({"keep_fp8_transpose_cache", "use_decoupled_grad", "report_nan_in_param_grad",
-                                "nccl_ub", "fsdp_double_buffer"}),
+            section=MegatronFSDPConfig,
         ),
         EngineCaps(
             # FSDP2 shards only over the data-parallel dims; ZeRO-1 and HFSDP have no FSDP2 form, and
@@ -54,15 +54,10 @@ ENGINES: Dict[str, EngineCaps] = {
             te_fused_optim=False, cuda_graph=False, default_mesh=False,
             main_params_dtypes=frozenset({None, *WIDE_DTYPES}), why_not="use engine=megatron_fsdp",
             # A 2-D mesh: FSDP over dp (x cp, the flattened dp_shard_cp dim), DTensor TP over tp.
-            tp_modes=frozenset({"dtensor"}), cp_modes=frozenset({"allgather"}),
+            tp_modes=frozenset({"dtensor"}), cp_modes=frozenset({"allgather"}), section=FSDP2Config,
         ),
     )
 }
-
-
-def foreign_engine_keys(caps: EngineCaps) -> list:
-    """engine.* switches that other engines read and `caps`' engine ignores."""
-    return sorted(set().union(*(c.own_keys for c in ENGINES.values())) - caps.own_keys)
 
 
 def engine_caps(name: str) -> EngineCaps:
@@ -76,4 +71,4 @@ def get_engine(name: str, **kwargs):
     return import_object(engine_caps(name).target, key="engine")(**kwargs)
 
 
-__all__ = ["ENGINES", "EngineCaps", "engine_caps", "foreign_engine_keys", "get_engine"]
+__all__ = ["ENGINES", "EngineCaps", "engine_caps", "get_engine"]

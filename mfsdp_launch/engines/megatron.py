@@ -209,8 +209,10 @@ class MegatronFSDPEngine(Engine):
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
-        for gs in by_dtype.values():
-            sq = sq + torch.stack(torch._foreach_norm(gs, 2.0, dtype=torch.float32)).pow(2).sum()
+        for dtype, gs in by_dtype.items():
+            # At least fp32; fp64 main gradients stay fp64 (foreach_norm refuses to narrow them).
+            acc = torch.promote_types(dtype, torch.float32)
+            sq = sq + torch.stack(torch._foreach_norm(gs, 2.0, dtype=acc)).pow(2).sum()
         return sq
 
     def clip_grad_norm(self, model, max_norm: Optional[float]) -> torch.Tensor:

@@ -26,6 +26,27 @@ def family(name: str) -> ModelFamily:
     return FAMILIES[name]
 
 
+def section_of(name: str) -> type:
+    """The `model` config section (a dataclass) of `model.name`."""
+    return family(name).section
+
+
+def section_from(values) -> object:
+    """A family's typed section from a plain mapping (a checkpoint manifest's `model` section);
+    keys the family does not read are dropped."""
+    section = section_of(str(values.get("name", "gpt")))()
+    for key, value in values.items():
+        if hasattr(section, key):
+            setattr(section, key, value)
+    return section
+
+
+def sections() -> Dict[str, type]:
+    """Every family's section by class name: the `model` group's schemas (configs/model/*.yaml
+    name theirs in `defaults`)."""
+    return {f.section.__name__: f.section for f in FAMILIES.values()}
+
+
 def build_model_spec(model_cfg, seq_len: int, tp: int = 1) -> ModelSpec:
     """The family's ModelSpec, with `model.fsdp_unit_modules` overriding its unit modules. `tp`
     reaches the families that build tensor-parallel layers (TE's)."""
@@ -38,4 +59,5 @@ def build_model_spec(model_cfg, seq_len: int, tp: int = 1) -> ModelSpec:
     return spec
 
 
-__all__ = ["FAMILIES", "ModelContext", "ModelFamily", "ModelSpec", "build_model_spec", "family", "names"]
+__all__ = ["FAMILIES", "ModelContext", "ModelFamily", "ModelSpec", "build_model_spec", "family", "names",
+           "section_from", "section_of", "sections"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from ..core.errors import ConfigError
+from ..core.schema import ModelConfig
 from ..core.names import import_object
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class ModelContext:
     micro_batch_size: int = 1
     fp8_recipe: str = "none"
     fp8_skip: Sequence[str] = ()
+    fp8_params: bool = False
     data_name: str = "synthetic"
     engine: str = ""  # engine.name ("" when the caller does not say)
 
@@ -90,6 +92,7 @@ class ModelFamily:
     """Base class: override what differs. Methods take the `model` config section (`m`)."""
 
     name = ""
+    section: type = ModelConfig  # its `model` config section (a dataclass extending ModelConfig)
     uses_tokens = True
     has_te_layers = False  # FP8 recipes act on TE layers only
     # What it does with mesh.tp / mesh.cp above 1 (a Parallel mode); an engine takes some modes
@@ -170,26 +173,6 @@ class ModelFamily:
     def load_weights(self, m, model: "nn.Module", engine) -> None:
         """Fill the sharded, initialized model with weights from outside (pretrained / init_from),
         before the optimizer exists; a checkpoint resume overwrites them afterwards. A collective."""
-
-
-# model.* keys that only some families read, with their unset value. Set for another family a
-# key would do nothing, so `check_family_keys` refuses it.
-FAMILY_KEYS = (
-    ("target", None, ("custom",)), ("kwargs", None, ("custom",)), ("init_fn", None, ("custom",)),
-    ("loss", "auto", ("custom",)), ("path", None, ("hf",)), ("hf_config", None, ("hf",)),
-    ("hf_class", None, ("hf",)), ("pretrained", False, ("hf",)), ("init_from", None, ("gpt", "te_gpt")),
-    ("loss_kernel", "torch", ("gpt", "te_gpt")),
-)
-
-
-def check_family_keys(m, name: str) -> None:
-    """ConfigError for the first FAMILY_KEYS key set (not its unset value) that `name` ignores."""
-    for key, unset, owners in FAMILY_KEYS:
-        value = getattr(m, key, unset)
-        empty = value is None or value == unset or (not isinstance(value, str) and hasattr(value, "__len__")
-                                                     and len(value) == 0)
-        if name not in owners and not empty:
-            raise ConfigError(f"model.{key}", f"model={name} does not use it", "model=" + "|".join(owners))
 
 
 def resolve_unit_modules(names: Sequence[str]) -> tuple:

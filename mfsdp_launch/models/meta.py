@@ -35,10 +35,11 @@ def meta_names_isolated(model_cfg_dict: dict, seq_len: int) -> Optional[Tuple[Li
     if not te_installed():
         return None
     code = ("import json, sys\n"
-            "from mfsdp_launch.core.schema import ModelConfig\n"
+            "from mfsdp_launch.models import section_of\n"
             "from mfsdp_launch.models.meta import meta_names\n"
             "spec = json.loads(sys.argv[1])\n"
-            "print(json.dumps(meta_names(ModelConfig(**spec['model']), spec['seq_len'])))\n")
+            "m = section_of(spec['model']['name'])(**spec['model'])\n"
+            "print(json.dumps(meta_names(m, spec['seq_len'])))\n")
     spec = {"model": model_cfg_dict, "seq_len": seq_len}
     try:
         proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,

@@ -18,6 +18,8 @@ from ..core.atomic_io import atomic_write_text
 from ..core.errors import ConfigError
 from ..core.names import first_line
 from ..core.schema import Config
+from ..engines import ENGINES, engine_caps
+from ..models import section_of, sections
 
 SCHEMA_NAME = "mfsdp_schema"
 
@@ -35,9 +37,17 @@ def config_dir() -> Path:
 
 
 def register_schema() -> None:
+    """The typed schema, and each config group option's own section (Hydra's structured-config
+    groups): configs/model/gpt.yaml starts from GPTModelConfig, so a key that family does not read
+    is unknown there."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=Config)
+    for name, section in sections().items():
+        store.store(group="model", name=name, node=section)
+    for caps in ENGINES.values():
+        store.store(group="engine", name=caps.section.__name__, node=caps.section)
 
 
 def available_options(group: str) -> List[str]:
@@ -69,11 +79,20 @@ def finalize(cfg: DictConfig) -> DictConfig:
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
-        typed = OmegaConf.merge(OmegaConf.structured(Config), container)
+        typed = OmegaConf.merge(typed_schema(container), container)
     except Exception as exc:
         raise config_error_from(exc) from None
     OmegaConf.set_struct(typed, True)
     return typed
+
+
+def typed_schema(container: dict) -> DictConfig:
+    """The schema with each section typed by what the config chose (the model family's section)."""
+    schema = OmegaConf.structured(Config)
+    model = (container.get("model") or {}).get("name", schema.model.name)
+    engine = (container.get("engine") or {}).get("name", schema.engine.name)
+    return OmegaConf.merge(schema, {"model": OmegaConf.structured(section_of(str(model))),
+                                    "engine": OmegaConf.structured(engine_caps(str(engine)).section)})
 
 
 def load_frozen(path: str | Path) -> DictConfig:
@@ -102,6 +121,28 @@ def _schema_keys(dotted_parent: str) -> List[str]:
     return list(node.keys()) if isinstance(node, DictConfig) else []
 
 
+def _section_keys(object_type) -> List[str]:
+    """The keys of the typed section an unknown key was set on (a family's section, say)."""
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(object_type)] if dataclasses.is_dataclass(object_type) else []
+
+
+def unknown_key_problem(key: str, section) -> str:
+    """"unknown key", naming the families that read it when it is another family's key (a recipe
+    written for one family may set it: `+recipe=cpu_smoke model=custom model.preset=...`)."""
+    from ..models import FAMILIES
+
+    group, _, leaf = key.partition(".")
+    if group != "model" or "." in leaf:
+        return "unknown key"
+    owners = [n for n, f in FAMILIES.items() if leaf in _section_keys(f.section)]
+    readers = [n for n, f in FAMILIES.items() if f.section is section]
+    if not owners or not readers:
+        return "unknown key"
+    return f"model={'|'.join(readers)} does not read it (a key of model={'|'.join(owners)})"
+
+
 def config_error_from(exc: BaseException) -> ConfigError:
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -116,8 +157,9 @@ def config_error_from(exc: BaseException) -> ConfigError:
         if unknown and getattr(err, "full_key", None):
             key = err.full_key
             parent = key.rsplit(".", 1)[0] if "." in key else ""
-            allowed = _schema_keys(parent)
-            return ConfigError(key, "unknown key", allowed or None)
+            section = getattr(err, "object_type", None)
+            allowed = _section_keys(section) or _schema_keys(parent)
+            return ConfigError(key, unknown_key_problem(key, section), allowed or None)
         if isinstance(err, ValidationError) and getattr(err, "full_key", None):
             return ConfigError(err.full_key, first_line(getattr(err, "msg", str(err)), "invalid value"))
         if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):

@@ -73,8 +73,9 @@ def needs_cuda(cfg) -> str:
 
 
 def uses_fused_loss(cfg) -> bool:
-    """model.loss_kernel=te_fused: TE's Triton cross-entropy (TE, CUDA, no CUDA-graph capture)."""
-    return cfg.model.loss_kernel == LossKernel.te_fused
+    """model.loss_kernel=te_fused (a Llama-family key): TE's Triton cross-entropy (TE, CUDA, no
+    CUDA-graph capture)."""
+    return cfg.model.get("loss_kernel") == LossKernel.te_fused
 
 
 def check_gpus(cfg) -> None:

@@ -16,10 +16,10 @@ from ..core.fp8 import FP8Recipe
 from ..core.globs import check_globs_match
 from ..core.schema import ACMode, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
 from ..core.sharding import ZeroStrategy, check_sharding, single_node_outer_warning
-from ..engines import ENGINES, EngineCaps, engine_caps, foreign_engine_keys
+from ..engines import ENGINES, EngineCaps, engine_caps
 from ..mesh import ParallelDims, world_size
 from ..models import FAMILIES, ModelContext, family
-from ..models.family import Parallel, Support, check_family_keys
+from ..models.family import Parallel, Support
 from ..models.meta import meta_names, meta_names_isolated
 from . import machine
 
@@ -147,8 +147,8 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     m, fam = cfg.model, family(cfg.model.name)
     ctx = ModelContext(tp=dims.tp, cp=dims.cp, seq_len=cfg.train.seq_len,
                        micro_batch_size=cfg.train.micro_batch_size, fp8_recipe=str(cfg.fp8.recipe),
-                       fp8_skip=tuple(cfg.fp8.skip), data_name=str(cfg.data.name), engine=caps.name)
-    check_family_keys(m, fam.name)
+                       fp8_skip=tuple(cfg.fp8.skip), fp8_params=bool(cfg.fp8.params),
+                       data_name=str(cfg.data.name), engine=caps.name)
     heads = fam.n_heads(m)
     if heads is not None and heads % dims.tp:
         raise ConfigError("mesh.tp", f"{dims.tp} does not divide the {heads} attention heads of model={fam.name}")
@@ -271,9 +271,8 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
         raise ConfigError("optim.impl", f"te_fused (TE FusedAdam) is not wired for engine={caps.name}", "torch")
     if t.cuda_graph == CudaGraphMode.full_iteration:
         _check_cuda_graph(cfg, caps)
-    warnings = [f"engine.{key} does nothing with engine={caps.name}" for key in foreign_engine_keys(caps)
-                if getattr(cfg.engine, key)]
-    if cfg.engine.nccl_ub and "nccl_ub" in caps.own_keys:
+    warnings = []
+    if "nccl_ub" in cfg.engine and cfg.engine.nccl_ub:
         warnings.append("engine.nccl_ub: Megatron's NCCL allocator sets NCCL_NVLS_ENABLE=1 (NVLink multicast) in "
                         "every rank; on a host whose GPUs others share, keep it off")
     return warnings

@@ -56,7 +56,7 @@ class LoopContext:
 
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
     ga = train_cfg.grad_accum_steps
-    sync_every = bool(getattr(ctx.engine.engine_cfg, "sync_every_microbatch", False))
+    sync_every = bool(ctx.engine.engine_cfg.sync_every_microbatch)
     samples_per_step = train_cfg.micro_batch_size * ga * ctx.dp_size
     tokens_per_step = samples_per_step * ctx.spec.tokens_per_sample
     progress = _Progress(train_cfg, state.step) if ctx.rank == 0 else None

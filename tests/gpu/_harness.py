@@ -49,8 +49,8 @@ def te_available() -> Tuple[bool, str]:
 def outer_skip_reason(zero: str, outer, mesh=None, meta: bool = False) -> str:
     """The launcher's own answer (config/sharding.check_sharding, the rule validation applies) for
     this ZeRO stage, outer strategy and mesh: why it is refused, or '' if it runs."""
-    from mfsdp_launch.config.sharding import OuterStrategy, ZeroStrategy, check_sharding
-    from mfsdp_launch.errors import ConfigError
+    from mfsdp_launch.core.sharding import OuterStrategy, ZeroStrategy, check_sharding
+    from mfsdp_launch.core.errors import ConfigError
 
     try:
         check_sharding(ZeroStrategy[zero], OuterStrategy[outer or "no_shard"],

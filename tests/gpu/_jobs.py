@@ -1,7 +1,7 @@
 """Case functions run inside GPU test jobs (see _harness.py). Each returns JSON-able data that
 the pytest side asserts on; collectives are kept in the same order on every rank.
 
-They drive the launcher's own wiring (mfsdp_launch/runtime.py: build_model, build_engine, the
+They drive the launcher's own wiring (mfsdp_launch/rank/runtime.py: build_model, build_engine, the
 optimizer) on typed configs, then the engine's verbs (shard / wrap_optimizer / set_grad_sync / clip_grad_norm /
 state_dict / load_state_dict), precision's FP8 recipes and cuda_graph.FullIterationCudaGraph.
 The scenarios and their assertions are the seed test's (Megatron-FSDP test_fully_shard.py).
@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from omegaconf import OmegaConf
 
-from mfsdp_launch import precision as P
-from mfsdp_launch.config.schema import Config
+from mfsdp_launch.components import precision as P
+from mfsdp_launch.planner.compose import typed_schema
 from mfsdp_launch.engines.base import local_tensor, strip_prefixes
 from mfsdp_launch.mesh import ParallelDims
-from mfsdp_launch.optim import build_optimizer
-from mfsdp_launch.runtime import Runtime, build_engine, build_model
+from mfsdp_launch.components.optim import build_optimizer
+from mfsdp_launch.rank.runtime import Runtime, build_engine, build_model
 
 NUM_STEPS = 2  # the seed's NUM_STEPS
 
@@ -67,7 +67,7 @@ TOY = {
 
 def typed(**sections):
     """A typed config (enum names or numbers accepted), as composition would give it."""
-    return OmegaConf.merge(OmegaConf.structured(Config), sections)
+    return OmegaConf.merge(typed_schema(sections), sections)
 
 
 def model_cfg(model: str):
@@ -537,8 +537,8 @@ def cuda_graph(ctx: Context, outer: str, replays: int = 8, model: str = "toy_tra
     loop_extras adds what the training loop does around a replay (global-norm clipping, the LR
     scheduler, a logged-loss all-reduce): with the GPT in bf16 it is the worker's path minus
     data, metrics and checkpoints."""
-    from mfsdp_launch.cuda_graph import FullIterationCudaGraph
-    from mfsdp_launch.optim import build_scheduler
+    from mfsdp_launch.components.cuda_graph import FullIterationCudaGraph
+    from mfsdp_launch.components.optim import build_scheduler
 
     spec = spec_of(model)
     m, _ = build(ctx, model, meta=False, seed=0)

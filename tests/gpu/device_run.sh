@@ -5,7 +5,9 @@
 # tests (the files in $TESTS), bench (scripts/bench.py $BENCH),
 # e2e_bench_gpt (CLI runs + the 1.4B GPT benchmark), te (TE GPU tests + the TE model tests),
 # te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles),
-# te_parallel (te_gpt tp=2/cp=2 vs 1, tp reshard, TE activation checkpointing; after `setup.sh te`).
+# te_parallel (te_gpt tp=2/cp=2 vs 1, tp reshard, TE activation checkpointing; after `setup.sh te`),
+# one_gpu (the one-GPU tier: every test marked gpu and not multi_gpu; its TE tests skip before
+# `setup.sh te`, so run it after that for the whole tier; ~5 minutes on one H200, measured in two parts).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
 #
@@ -50,6 +52,9 @@ case "$phase" in
     timeout -k 10 "$budget" $PYTEST ${TESTS:?TESTS} 2>&1 | tee -a "$log" ;;
   bench)  # BENCH: bench.py arguments, e.g. BENCH="--group ac_peak --group ac8b"
     timeout -k 10 "$budget" python3 scripts/bench.py ${BENCH:?BENCH} 2>&1 | tee -a "$log" ;;
+  one_gpu)  # the one-GPU tier; ONE_GPU_ARGS adds pytest arguments (e.g. -k ..., or files)
+    timeout -k 10 "$budget" python3 -m pytest -p no:cacheprovider -q -m "gpu and not multi_gpu" \
+      ${ONE_GPU_ARGS:-tests/gpu} 2>&1 | tee -a "$log"; reap ;;
   te_parallel)
     timeout "$budget" $PYTEST tests/gpu/test_te_parallel_gpu.py -s 2>&1 | tee -a "$log" ;;
   te_e2e_bench)

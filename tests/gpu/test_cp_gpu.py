@@ -9,7 +9,7 @@ import pytest
 from _harness import require_gpus
 from test_e2e import cli, fresh_run_dir, rows
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.slow]
 
 # Small but not trivial: GQA (8 heads, 2 kv heads), the stdlib text corpus, bf16 compute.
 BASE = ["model=gpt", "model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=2",
@@ -69,7 +69,7 @@ def test_3b_32k_trains_at_cp2_where_cp1_runs_out_of_memory():
            "launcher.nproc_per_node=2", "engine=fsdp2"]
     run_dir = fresh_run_dir("cp1_3b_32k")
     proc = cli("cp1_3b_32k", *big, f"run.dir={run_dir}", timeout=200)
-    # (oom.py: the failing rank's one line, no traceback)
+    # (rank/oom.py: the failing rank's one line, no traceback)
     assert proc.returncode == 1 and "ran out of GPU memory" in proc.stdout + proc.stderr, proc.stdout[-2000:]
     run_dir = fresh_run_dir("cp2_3b_32k")
     proc = cli("cp2_3b_32k", *big, "mesh.cp=2", f"run.dir={run_dir}", timeout=200)

@@ -89,6 +89,7 @@ def _check_training(proc, run_dir, *, min_drop: float):
 FSDP_DIR = RUNS / "fsdp_bf16"
 
 
+@pytest.mark.multi_gpu
 def test_e2e_fsdp_bf16_text():
     require_gpus(2)
     shutil.rmtree(FSDP_DIR, ignore_errors=True)
@@ -101,6 +102,7 @@ def test_e2e_fsdp_bf16_text():
     print(json.dumps(r[-1]))
 
 
+@pytest.mark.multi_gpu
 def test_e2e_resume_fsdp_bf16_at_world_size_1():
     """The 2-rank run's checkpoint resumes on 1 rank (model and optimizer resharded)."""
     require_gpus(1)
@@ -119,6 +121,7 @@ def test_e2e_resume_fsdp_bf16_at_world_size_1():
     assert all(math.isfinite(a) and a < before + 0.5 for a in after), (before, after)
 
 
+@pytest.mark.multi_gpu
 def test_te_e2e_hfsdp_fp8_text():
     require_gpus(2)
     require_te()
@@ -130,6 +133,7 @@ def test_te_e2e_hfsdp_fp8_text():
     _check_training(proc, run_dir, min_drop=2.0)
 
 
+@pytest.mark.multi_gpu
 def test_te_e2e_full_iteration_cuda_graph_cli():
     """train.cuda_graph=full_iteration through the worker: one capture, a replay per step, loss
     falls, and the final checkpoint is written from the graph-mode model."""
@@ -144,6 +148,7 @@ def test_te_e2e_full_iteration_cuda_graph_cli():
     assert (run_dir / "checkpoints" / "step_40" / "manifest.json").is_file()
 
 
+@pytest.mark.multi_gpu
 def test_te_e2e_fp8_skip_delayed():
     """fp8.skip keeps the output head and the first layer in bf16 under delayed scaling; the run
     says which modules it kept and trains."""

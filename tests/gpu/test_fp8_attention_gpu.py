@@ -16,11 +16,11 @@ STEPS = 20
 def _train(attention: bool):
     import torch
 
-    from mfsdp_launch.config.schema import FP8Config
-    from mfsdp_launch.models.family import lm_loss
-    from mfsdp_launch.models.llama_dims import GPTDims
-    from mfsdp_launch.models.te_modules import TEGPT
-    from mfsdp_launch.precision import build_fp8_recipe, fp8_autocast
+    from mfsdp_launch.core.schema import FP8Config
+    from mfsdp_launch.models.losses import lm_loss
+    from mfsdp_launch.models.llama.dims import GPTDims
+    from mfsdp_launch.models.llama.te_modules import TEGPT
+    from mfsdp_launch.components.precision import build_fp8_recipe, fp8_autocast
 
     torch.manual_seed(0)
     # head_dim 128 and grouped queries, as in the 8b

@@ -18,9 +18,9 @@ def test_te_fused_loss_matches_torch_cross_entropy(vocab):
     require_te()
     import torch
 
-    from mfsdp_launch.models.family import lm_loss, te_fused_lm_loss
-    from mfsdp_launch.models.llama_dims import GPTDims
-    from mfsdp_launch.models.te_modules import TEGPT
+    from mfsdp_launch.models.losses import lm_loss, te_fused_lm_loss
+    from mfsdp_launch.models.llama.dims import GPTDims
+    from mfsdp_launch.models.llama.te_modules import TEGPT
 
     torch.manual_seed(0)
     dims = GPTDims(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=192, vocab_size=vocab, tie_embeddings=False,

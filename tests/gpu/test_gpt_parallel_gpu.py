@@ -13,7 +13,7 @@ import pytest
 from _harness import require_gpus
 from test_e2e import cli, fresh_run_dir, rows
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.slow]
 
 BASE = ["model=gpt", "model.preset=125m", "model.n_kv_heads=4", "data=text", "data.max_bytes=4000000", "train.seq_len=1024",
         "train.micro_batch_size=4", "train.log_interval=1", "train.progress=false", "optim.warmup_steps=0",

@@ -15,7 +15,7 @@ import pytest
 
 from _harness import Job, case, outer_skip_reason, require_gpus
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]  # every mesh here has 2 or 8 ranks (1 GPU: test_one_gpu_engine.py)
 
 MESHES_2 = [(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]
 MESHES_8 = [(2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2)]

@@ -1,5 +1,5 @@
 """A real CUDA out-of-memory at step 3 (a custom model that asks for 10 TB there), FSDP2 on NCCL over
-2 GPUs: the console shows oom.py's one line with the measured peak and the GPU's total, no
+2 GPUs: the console shows rank/oom.py's one line with the measured peak and the GPU's total, no
 traceback, exit code 1; the run leaves no rank on the GPUs (the launcher returns in time)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from _harness import ROOT, require_gpus
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]  # 1 GPU: test_one_gpu_features.py
 
 MODULE = '''
 import torch

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from test_e2e import cli, fresh_run_dir
 
 from _harness import gpu_count, require_gpus
-from mfsdp_launch.profiling import PROFILE_DIR, TOP_OPS, trace_name
+from mfsdp_launch.components.profiling import PROFILE_DIR, TOP_OPS, trace_name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

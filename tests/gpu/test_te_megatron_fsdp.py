@@ -30,7 +30,7 @@ from test_megatron_fsdp import (
     world_of,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]  # every mesh here has 2 or 8 ranks (1 GPU: test_one_gpu_te.py)
 
 QUANT_MESHES = [(2, 1, 1, 1), (2, 4, 1, 1)]
 RECIPES = ["delayed", "current", "blockwise", "mxfp8"]

@@ -1,5 +1,5 @@
 """te_gpt's tensor, sequence and context parallelism under Megatron-FSDP, end to end through the
-CLI (models/te_parallel.py, engines/glu_layout.py): tiny dims, bf16, 20 steps.
+CLI (models/llama/te_parallel.py, engines/glu_layout.py): tiny dims, bf16, 20 steps.
 
 * mesh.tp=2 (TE's tp_group + sequence parallelism) reproduces tp=1's loss curve;
 * mesh.cp=2 (TE's p2p context-parallel attention, load-balanced batches) reproduces cp=1's;
@@ -61,16 +61,19 @@ def reference():
     return ref
 
 
+@pytest.mark.multi_gpu
 def test_tp2_matches_tp1(reference):
     require_gpus(2)
     assert_same_curve(reference, losses(train("te_par_tp2", *TP2)))
 
 
+@pytest.mark.multi_gpu
 def test_cp2_matches_cp1(reference):
     require_gpus(2)
     assert_same_curve(reference, losses(train("te_par_cp2", *CP2)))
 
 
+@pytest.mark.multi_gpu
 def test_checkpoint_reshards_tp2_to_tp1_and_back(reference):
     require_gpus(2)
     run_dir = train("te_par_reshard", *TP2, steps=7, save=True)

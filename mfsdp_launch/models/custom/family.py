@@ -15,17 +15,10 @@ from typing import List
 from ...core.errors import ConfigError
 from .. import probe as P
 from ..family import ModelContext, ModelSpec, find_module
+from .config import CustomModelConfig
 from ..measured import MeasuredFamily
 
-# gpt/toy dimension keys: the model's own code decides its dims.
-GPT_DIM_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "output_dim")
 PROBE = "mfsdp_launch.models.custom.family:probe_custom"
-
-
-def refuse_keys(m, keys, why: str) -> None:
-    for key in keys:
-        if getattr(m, key, None) is not None:
-            raise ConfigError(f"model.{key}", f"{why}; it would do nothing", "null")
 
 
 def kwargs_of(m) -> dict:
@@ -37,6 +30,7 @@ def kwargs_of(m) -> dict:
 
 class CustomFamily(MeasuredFamily):
     name = "custom"
+    section = CustomModelConfig
 
     def probe(self, m) -> dict:
         if not m.target:
@@ -46,7 +40,6 @@ class CustomFamily(MeasuredFamily):
         return P.probe(PROBE, m, crash_key="model.target")
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        refuse_keys(m, GPT_DIM_KEYS, "model=custom takes its dims from model.target")
         self.probe(m)
         if ctx.engine == "megatron_fsdp" and m.init_on_meta and m.init_fn:
             raise ConfigError("model.init_fn", "Megatron-FSDP's meta-device init calls each module's "

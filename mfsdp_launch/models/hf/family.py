@@ -14,8 +14,8 @@ from typing import List
 
 from ...core.errors import ConfigError
 from .. import probe as P
-from ..custom.family import GPT_DIM_KEYS, refuse_keys
 from ..family import ModelContext, ModelSpec, find_module
+from .config import HFModelConfig
 from ..measured import MeasuredFamily
 
 PROBE = "mfsdp_launch.models.hf.family:probe_hf"
@@ -23,6 +23,7 @@ PROBE = "mfsdp_launch.models.hf.family:probe_hf"
 
 class HFFamily(MeasuredFamily):
     name = "hf"
+    section = HFModelConfig
 
     def probe(self, m) -> dict:
         from .model import INSTALL_HINT, check_model_path
@@ -38,7 +39,6 @@ class HFFamily(MeasuredFamily):
         return P.probe(PROBE, m, crash_key="model.path" if m.path is not None else "model.hf_config")
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        refuse_keys(m, GPT_DIM_KEYS + ("vocab_size",), "model=hf takes its dims from its config")
         self.probe(m)
         return []
 

@@ -6,12 +6,14 @@ from typing import List
 
 from ...core.errors import ConfigError
 from . import dims as L
+from .config import GPTModelConfig
 from ..family import ModelContext, ModelFamily, ModelSpec, Parallel, find_module
 from ..losses import loss_for
 
 
 class GPTFamily(ModelFamily):
     name = "gpt"
+    section = GPTModelConfig
     # model.activation_checkpointing wraps each Block / TE TransformerLayer (models/activation_checkpoint.py).
     activation_checkpointing = True
     doc_mask = True  # GPT.forward(input_ids, doc_ids): a block-causal SDPA mask
@@ -58,10 +60,9 @@ class GPTFamily(ModelFamily):
         """Dims left unset (and norm_eps/rope_theta at their defaults) come from init_from's config.json."""
         if not m.init_from:
             return
-        from ...core.schema import ModelConfig
         from .hf_config import DIMS_TO_LLAMA, read_llama_dims
 
-        hf, defaults = read_llama_dims(m.init_from, key="model.init_from"), ModelConfig()
+        hf, defaults = read_llama_dims(m.init_from, key="model.init_from"), GPTModelConfig()
         for field, _ in DIMS_TO_LLAMA:
             value = getattr(m, field)
             if value is None or (getattr(defaults, field) is not None and value == getattr(defaults, field)):

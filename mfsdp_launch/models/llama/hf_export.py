@@ -243,16 +243,12 @@ def copy_side_files(src_dir: str | os.PathLike, out: Path) -> List[str]:
 
 def _run_model_config(found):
     """The run's `model` section from the checkpoint manifest, as a ModelConfig."""
-    from ...core.schema import ModelConfig
+    from .. import section_from
 
     section = (found.manifest.get("config") or {}).get("model")
     if not isinstance(section, dict):
         raise ConfigError("CKPT_DIR", f"{found.path}'s manifest has no run config; --format hf needs the dims")
-    base = ModelConfig()
-    for key, value in section.items():
-        if hasattr(base, key):
-            setattr(base, key, value)
-    return base
+    return section_from(section)
 
 
 def _hf_config_dict(m) -> Dict[str, Any]:

@@ -22,8 +22,9 @@ class TEGPTFamily(GPTFamily):
     cp_mode = Parallel.TE
 
     def shape(self, m) -> dict:
-        # model.fuse_qkv is recorded with every TE family's shape (a checkpoint's QKV layout).
-        return {**super().shape(m), "fuse_qkv": bool(getattr(m, "fuse_qkv", False))}
+        # Manifests record fuse_qkv with every TE family's shape; te_gpt's layers always fuse QKV in
+        # TE's own layout, and its manifests have always recorded false.
+        return {**super().shape(m), "fuse_qkv": False}
 
     def spec_for(self, m, seq_len: int, tp: int = 1):
         return self.spec(m, seq_len, tp=tp) if tp > 1 else self.spec(m, seq_len)
@@ -38,6 +39,11 @@ class TEGPTFamily(GPTFamily):
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)
         self.check_init_from(m)
+        if ctx.fp8_params and not m.init_on_meta:
+            # Seen on one H200 (TE 2.20): TE's in-place init of quantized weights built on the GPU
+            # fails (an illegal memory access; current scaling: "no data" for the amax).
+            raise ConfigError("model.init_on_meta", f"false, but model={self.name} builds FP8 parameters "
+                              "(fp8.params=true) on the meta device only", "true")
         self.check_tp_dims(d, ctx)
         if ctx.tp > 1 and ctx.engine and ctx.engine != "megatron_fsdp":
             raise ConfigError("mesh.tp", f"model={self.name} is tensor-parallel inside its TE layers, whose "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import List
 
 from ...core.errors import ConfigError
+from .config import ToyModelConfig
 from ..family import ModelContext, ModelFamily, ModelSpec, Parallel, find_module
 
 CNN_CHANNELS = 3
@@ -28,6 +29,7 @@ class ToyDims:
 
 
 class ToyFamily(ModelFamily):
+    section = ToyModelConfig
     uses_tokens = False
     tp_mode = Parallel.REPLICATE
     cp_mode = Parallel.REPLICATE

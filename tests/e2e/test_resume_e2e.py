@@ -1,0 +1,91 @@
+"""Checkpoints through the CLI: exact resume, resharding to another world size, stray and missing
+checkpoints, and a graceful stop on SIGTERM to the launcher (real processes, gloo, DCP)."""
+
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from helpers import cli, read_metrics, start_cli
+
+pytestmark = pytest.mark.slow
+
+SMOKE = ["+recipe=cpu_smoke", "train.log_interval=1", "train.progress=false", "train.seq_len=64",
+         "data.max_bytes=2000000"]
+
+
+def run(run_dir, *overrides, expect=0):
+    out = cli(*SMOKE, f"run.dir={run_dir}", *overrides, timeout=300)
+    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def exported(run_dir, tmp_path, name):
+    target = tmp_path / f"{name}.pt"
+    out = cli(str(run_dir), str(target), "--format", "torch", module="mfsdp_launch.tools.export")
+    assert out.returncode == 0, out.stderr
+    return torch.load(target)
+
+
+def test_resume_is_exact_and_reshards(tmp_path):
+    a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
+    run(a, "train.steps=6", "checkpoint.interval=3")
+    first = run(b, "train.steps=3")
+    assert "starting fresh" in first.stdout
+    second = run(b, "train.steps=6")
+    assert "resuming from step 3" in second.stdout
+
+    losses_a = {r["step"]: r["loss"] for r in read_metrics(a)}
+    losses_b = {r["step"]: r["loss"] for r in read_metrics(b)}
+    assert sorted(losses_b) == list(range(1, 7))  # one row per step, none duplicated
+    assert losses_a == losses_b  # bit-identical on the same mesh
+    wa, wb = exported(a, tmp_path, "a"), exported(b, tmp_path, "b")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # A's step-3 checkpoint continues at another world size (2 ranks -> 1): DCP reshards.
+    (c / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step_3", c / "checkpoints" / "step_3")
+    # Same global batch (16 x 2 microbatches x 1 rank = 8 x 2 x 2 ranks): the same samples.
+    out = run(c, "train.steps=5", "launcher.nproc_per_node=1", "mesh.dp_outer=1", "mesh.dp_shard=1",
+              "train.micro_batch_size=16")
+    assert "resuming from step 3" in out.stdout
+    assert [r["step"] for r in read_metrics(c)] == [4, 5]
+    assert read_metrics(c)[0]["loss"] == pytest.approx(losses_a[4], rel=1e-4)
+
+
+def test_stray_tmp_is_ignored_and_must_fails_clearly(tmp_path):
+    empty = tmp_path / "empty"
+    out = run(empty, "train.steps=2", "checkpoint.resume=must", expect=2)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "checkpoint.resume" in lines[0] and "no committed checkpoint" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+    stray = tmp_path / "stray"
+    (stray / "checkpoints" / "step_999.tmp").mkdir(parents=True)
+    out = run(stray, "train.steps=2")
+    assert "starting fresh" in out.stdout
+    assert not (stray / "checkpoints" / "step_999.tmp").exists()
+    assert (stray / "checkpoints" / "step_2" / "manifest.json").is_file()
+
+
+def test_sigterm_to_the_launcher_saves_exits_interrupted_then_resumes(tmp_path):
+    from mfsdp_launch.core import exit_codes
+
+    run_dir = tmp_path / "pre"
+    proc = start_cli(*SMOKE, f"run.dir={run_dir}", "train.steps=100000", stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_metrics(run_dir)) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == exit_codes.INTERRUPTED, out[-3000:]  # not 0: `&& next` must not run
+    assert "stopping at step" in out
+    stopped = read_metrics(run_dir)[-1]["step"]
+    assert (run_dir / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()
+    again = run(run_dir, f"train.steps={stopped + 2}")
+    assert f"resuming from step {stopped}" in again.stdout

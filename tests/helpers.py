@@ -1,0 +1,298 @@
+"""What the tests share: the CLI as a subprocess, the run dir's metrics, refusals, a user's model
+module, small prepared corpora, and gloo process groups (N ranks in child processes, or one in
+this process). Imported as `helpers` (pytest puts tests/, conftest.py's folder, on sys.path).
+
+A rank child runs `python -c "import helpers; helpers.rank_main(...)"`: it imports the test file
+by path, joins a gloo group over TCP and calls the named function as fn(rank, world, *args)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from mfsdp_launch.launcher.runstate import read_metrics  # noqa: F401  (the launcher's reader of metrics.jsonl)
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+
+def cli_env() -> dict:
+    """The environment of a user's shell running this checkout's CLI."""
+    # A user's shell is not inside a job: drop any rank/rendezvous variables the test process has.
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and not k.startswith("SLURM_")
+           and not k.startswith("TORCHELASTIC_")}
+    env.setdefault("MFSDP_CACHE_DIR", str(ROOT / ".pytest_cache" / "tokens"))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def cli(*args: str, module: str = "mfsdp_launch", cwd=None, timeout: float = 600,
+        env=None) -> subprocess.CompletedProcess:
+    """Run `python -m MODULE ARGS` (the launcher unless told) the way a user would, capturing its output."""
+    full_env = cli_env()
+    if env:
+        full_env.update(env)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def cli_ok(*args: str, **kw) -> subprocess.CompletedProcess:
+    """cli(), asserting exit code 0 (the failure shows the output's tails)."""
+    out = cli(*args, **kw)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def start_cli(*args: str, env=None, **popen) -> subprocess.Popen:
+    """The launcher started in the background (text mode; pass stdout/stderr)."""
+    full_env = cli_env()
+    if env:
+        full_env.update(env)
+    return subprocess.Popen([sys.executable, "-m", "mfsdp_launch", *args], cwd=ROOT, env=full_env, text=True,
+                            **popen)
+
+
+def cli_error(result: subprocess.CompletedProcess, tool: str = "mfsdp-train") -> str:
+    """The one line a refused command prints (exit code 2, no traceback), prefix included."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{tool}: error: "), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    return lines[0]
+
+
+# -------------------------------------------------------------------------------- config refusals
+
+
+def refused(*overrides: str, hardware: bool = False):
+    """The ConfigError planner.prepare raises for these overrides (fails the test if none)."""
+    import pytest
+
+    from mfsdp_launch.core.errors import ConfigError
+    from mfsdp_launch.planner import prepare
+
+    with pytest.raises(ConfigError) as e:
+        prepare(list(overrides), check_hardware=hardware)
+    return e.value
+
+
+def one_line(exc_info, key: str) -> str:
+    """The message of a raised ConfigError (pytest.raises's ExceptionInfo): one line naming `key`."""
+    msg = str(exc_info.value)
+    assert "\n" not in msg and msg.startswith(key + ": "), msg
+    return msg
+
+
+# ------------------------------------------------------------------------------------- metrics
+
+
+def train_rows(run_dir) -> dict:
+    """{step: row} of the training rows (those with a loss; validation may be merged into them)."""
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+def losses(run_dir) -> dict:
+    """{step: loss} of the training rows."""
+    return {step: r["loss"] for step, r in train_rows(run_dir).items()}
+
+
+# ------------------------------------------------------------------------------ a user's module
+
+USER_MODULE_NAME = "mfsdp_test_usermodel"
+# The README's mymodel.py, with a build() that takes its sizes and one attribute that is not callable.
+USER_MODULE = '''
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        return x + self.ff(self.norm(x))
+
+
+class LM(nn.Module):
+    def __init__(self, vocab, dim, n_layers):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_layers))
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(vocab=256, dim=32, n_layers=2):
+    return LM(vocab, dim, n_layers)
+
+
+NOT_CALLABLE = 3
+'''
+
+
+def write_user_module(folder: Path, source: str = USER_MODULE, name: str = USER_MODULE_NAME) -> dict:
+    """Write `source` as FOLDER/NAME.py; returns the env (PYTHONPATH) a CLI run needs to import it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    return {"PYTHONPATH": f"{folder}{os.pathsep}{cli_env()['PYTHONPATH']}"}
+
+
+# ---------------------------------------------------------------------------- prepared corpora
+
+EOS = 0
+
+
+def write_corpus(path: Path, docs, *, vocab=256, sha="bytes", per_shard=50, tokenizer_file="test") -> str:
+    """A prepared (data=tokens) corpus directory holding `docs` (int arrays, each ending with EOS)."""
+    import numpy as np
+
+    from mfsdp_launch.corpus import shards
+
+    path.mkdir(parents=True)
+    entries = []
+    for i in range(0, len(docs), per_shard):
+        part = docs[i : i + per_shard]
+        entries.append(shards.write_shard(str(path), i // per_shard, np.concatenate(part).astype(np.uint16),
+                                          [len(d) for d in part]))
+    meta = {"tokenizer": {"file": tokenizer_file, "sha256": sha, "vocab_size": vocab}, "eos_id": EOS,
+            "dtype": "uint16"}
+    shards.write_manifest(str(path), shards.build_manifest(entries, meta))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- gloo process groups
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 120) -> None:
+    """Join (rank of world) the gloo group served at 127.0.0.1:port."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+@contextlib.contextmanager
+def one_rank_group(store: Path):
+    """A 1-rank gloo group in this process (a file store at `store`), destroyed on exit."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_log(logs: Path, rank: int) -> Path:
+    return Path(f"{logs}.rank{rank}.out")
+
+
+def spawn_ranks(fn, world: int, *args, logs: Path, env=None) -> list:
+    """Start `world` child processes, each calling fn(rank, world, *args) (args as strings) in one
+    gloo group. fn is a module-level function of a test file; rank r's output goes to
+    rank_log(logs, r). Returns the Popen objects."""
+    port = free_port()
+    full_env = {**cli_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = f"{TESTS}{os.pathsep}{full_env['PYTHONPATH']}"
+    entry = "import sys, helpers; helpers.rank_main(sys.argv[1:])"
+    procs = []
+    for rank in range(world):
+        with open(rank_log(logs, rank), "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", entry, inspect.getfile(fn), fn.__name__, str(rank), str(world), str(port),
+                 *map(str, args)], stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT))
+    return procs
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 120, logs: Path | None = None, env=None) -> list:
+    """spawn_ranks() and wait: every rank must exit 0 within `timeout` (else all are killed and the
+    test fails with their output). Returns each rank's output."""
+    with contextlib.ExitStack() as stack:
+        if logs is None:
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ranks"))) / fn.__name__
+        procs = spawn_ranks(fn, world, *args, logs=logs, env=env)
+        deadline, timed_out = time.monotonic() + timeout, False
+        try:
+            for p in procs:
+                p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for p in procs:
+                p.kill()
+                p.wait()
+        outs = [rank_log(logs, r).read_text() for r in range(world)]
+    assert not timed_out, f"{fn.__name__} timed out after {timeout} s:\n" + "\n".join(o[-2000:] for o in outs)
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"{fn.__name__} rank {rank} exit {p.returncode}:\n{out[-4000:]}"
+    return outs
+
+
+def rank_main(argv) -> None:
+    """A rank child (see spawn_ranks): FILE FUNCTION RANK WORLD PORT ARGS..."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from mfsdp_launch.rank.worker import leave
+
+    path, name, rank, world, port, *args = argv
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    rank, world = int(rank), int(world)
+    init_gloo(rank, world, int(port))
+    try:
+        getattr(module, name)(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        leave(1)
+    leave(0)  # no interpreter teardown: gloo's threads have aborted a finished process there
+
+
+def model_cfg(name: str, **keys):
+    """A `model` section as the family types it (models/*/config.py), e.g. model_cfg("gpt", preset="8b")."""
+    from mfsdp_launch.models import section_of
+
+    return section_of(name)(name=name, **keys)
+
+
+def unknown_key(key: str, family: str) -> str:
+    """The schema's one line for a `model.*` key that `family`'s section does not have."""
+    import dataclasses
+
+    from mfsdp_launch.models import section_of
+    from mfsdp_launch.planner.compose import unknown_key_problem
+
+    section = section_of(family)
+    keys = "|".join(f.name for f in dataclasses.fields(section))
+    return f"{key}: {unknown_key_problem(key, section)} (allowed: {keys})"

@@ -1,0 +1,60 @@
+"""scripts/bench_report.py: issue 16's now/after table picks the right rows; bench/matrix.yaml is well formed."""
+
+from __future__ import annotations
+
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_report  # noqa: E402
+
+
+def _row(name, tps, **kw):
+    return dict(dict(name=name, ok=True, tokens_per_s_per_gpu=tps, mfu=tps / 20000, kind="launcher"), **kw)
+
+
+def test_after_is_the_best_comparable_row():
+    te8b = dict(model="te_gpt", preset="8b", seq=8192, precision="delayed")
+    runs = {r["name"]: r for r in [
+        _row("a_ga8", 13800, ga=8, **te8b),
+        _row("b_ga16", 14100, ga=16, **te8b),
+        _row("c_tp2", 16000, ga=8, tp=2, **te8b),  # another layout: not the workload
+        _row("c_l8_1gpu", 30000, ga=8, n_layers=8, world=1, **te8b),  # a slice of the model on one GPU
+        _row("d_ga1", 12700, **te8b),
+        _row("e_failed", 20000, ga=8, **dict(te8b, ok=False)),
+    ]}
+    table = {line.split(" | ")[0].lstrip("| "): line for line in bench_report.goal_table(runs) if line.startswith("| ")}
+    assert "`b_ga16`" in table["te_gpt 8b FP8, dp_shard=2, seq 8192, mbs 1, grad_accum >= 8"]
+    assert "`d_ga1`" in table["same, grad_accum 1"]
+    assert "not measured" in table["gpt 8b bf16, seq 4096, mbs 1"]
+    assert len(table) == len(bench_report.GOALS) + 1  # + the header row
+
+
+def test_matrix_entries_are_unique_and_every_override_is_key_value():
+    """bench/matrix.yaml: each group/name once (results.json keys its rows by name), every override
+    an entry adds (each key once; it may replace one of the run's defaults, which come first) and
+    every one its run passes is key=value; the rows this page names are in the matrix."""
+    import re
+
+    import bench
+    import bench_matrix
+    import yaml
+
+    raw = yaml.safe_load(bench_matrix.PATH.read_text())["groups"]
+    pairs = [(group, e["name"]) for group, spec in raw.items() for e in spec["entries"]]
+    assert len(set(pairs)) == len(pairs) and len({name for _, name in pairs}) == len(pairs)
+    assert [(e["group"], e["name"]) for e in bench.MATRIX] == pairs
+    key_value = re.compile(r"[A-Za-z_][\w.]*=\S.*")
+    for e in bench.MATRIX:
+        extra = e.get("extra", [])
+        assert all(key_value.fullmatch(x) for x in extra), (e["name"], extra)
+        assert len({x.split("=", 1)[0] for x in extra}) == len(extra), (e["name"], extra)
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in e.get("env", {}).items()), e["name"]
+        if e["kind"] == "launcher" and e["model"] != "hf":  # (hf builds its config from the package)
+            args = bench.launcher_args(e, 2, 10, 5, ROOT / "runs" / e["name"])
+            assert all(key_value.fullmatch(a) for a in args) and set(extra) <= set(args), (e["name"], args)
+    named = {"mfsdp_te_gpt_2b_bf16_mbs4", "now_te_gpt_8b_hfsdp_delayed_s4096", "now_te_gpt_8b_hfsdp_bf16_s4096",
+             "now_gpt_8b_bf16_s4096", "te8b_opt_ref", "te8bl8_ref"}
+    assert named <= {name for _, name in pairs}
+    assert bench.MEMORY_GROUPS[-1] == "memory_reference" and set(bench.MEMORY_GROUPS[:-1]) <= set(raw)
