@@ -138,7 +138,7 @@ for _e in ENGINES:
             "train.progress=false", "train.seq_len=64", "train.micro_batch_size=2", "precision.compute_dtype=bf16",
             "checkpoint.save_final=false", prepare=_write_oom_module,
             env={"PYTHONPATH": str(G.BASE_DIR / "oom_module")})
-    G.train(f"{_s}_hf", *GPT[1:], _eng, "model=hf", f"model.path={_llama_dir()}", "model.pretrained=true",
+    G.train(f"{_s}_hf", *GPT[2:], _eng, "model=hf", f"model.path={_llama_dir()}", "model.pretrained=true",
             "train.steps=3", "checkpoint.interval=2", prepare=_write_llama, priority=0)
     G.command(f"{_s}_hf_export_hf", "mfsdp-export", ckpt(f"{_s}_hf", 2), str(G.BASE_DIR / "exports" / f"{_s}_hf_hf"),
               "--format", "hf", after=[f"{_s}_hf"])
