@@ -9,6 +9,7 @@ from typing import Dict, FrozenSet
 from ..core.dtypes import WIDE_DTYPES, Dtype
 from ..core.sharding import OuterStrategy, ZeroStrategy
 from ..core.errors import ConfigError
+from ..core.parallel import Parallel
 from ..core.schema import EngineConfig
 from .config import FSDP2Config, MegatronFSDPConfig
 from ..core.names import import_object
@@ -26,7 +27,7 @@ class EngineCaps:
     cuda_graph: bool  # full-iteration CUDA graphs
     default_mesh: bool  # mesh.enabled=false: the engine builds its own
     main_params_dtypes: FrozenSet = frozenset({None, *Dtype})
-    # The ways of using mesh.tp / mesh.cp (models/family.py's Parallel modes) it can shard around.
+    # The ways of using mesh.tp / mesh.cp (core/parallel.py) it can shard around.
     tp_modes: FrozenSet[str] = frozenset()
     cp_modes: FrozenSet[str] = frozenset()
     why_not: str = ""  # appended to refusals: what to use instead
@@ -42,7 +43,8 @@ ENGINES: Dict[str, EngineCaps] = {
             fp8_params=True, te_fused_optim=True, cuda_graph=True, default_mesh=True,
             # Its own tp/cp mesh dims: TE layers' groups, or replicas over them (the seed's toys);
             # it averages gradients over dp_shard x cp, so all-gather attention runs too.
-            tp_modes=frozenset({"te", "replicate"}), cp_modes=frozenset({"te", "replicate", "allgather"}),
+            tp_modes=frozenset({Parallel.TE, Parallel.REPLICATE}),
+            cp_modes=frozenset({Parallel.TE, Parallel.REPLICATE, Parallel.ALLGATHER}),
             section=MegatronFSDPConfig,
         ),
         EngineCaps(
@@ -54,7 +56,7 @@ ENGINES: Dict[str, EngineCaps] = {
             te_fused_optim=False, cuda_graph=False, default_mesh=False,
             main_params_dtypes=frozenset({None, *WIDE_DTYPES}), why_not="use engine=megatron_fsdp",
             # A 2-D mesh: FSDP over dp (x cp, the flattened dp_shard_cp dim), DTensor TP over tp.
-            tp_modes=frozenset({"dtensor"}), cp_modes=frozenset({"allgather"}), section=FSDP2Config,
+            tp_modes=frozenset({Parallel.DTENSOR}), cp_modes=frozenset({Parallel.ALLGATHER}), section=FSDP2Config,
         ),
     )
 }

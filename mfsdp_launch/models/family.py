@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from ..core.errors import ConfigError
+from ..core.parallel import Parallel  # noqa: F401  (families declare their modes with it)
 from ..core.schema import ModelConfig
 from ..core.names import import_object
 
@@ -33,18 +34,6 @@ class ModelContext:
     fp8_params: bool = False
     data_name: str = "synthetic"
     engine: str = ""  # engine.name ("" when the caller does not say)
-
-
-class Parallel:
-    """How a family uses one mesh dimension (tp or cp) when its degree is above 1."""
-
-    NONE = "none"  # it cannot: refused
-    REPLICATE = "replicate"  # every rank of the group computes the same (the seed's toys, engine's own mesh)
-    DTENSOR = "dtensor"  # tp: a DTensor plan on torch layers (models/llama/tensor_parallel.py)
-    ALLGATHER = "allgather"  # cp: attention all-gathers K/V over cp (models/llama/context_parallel.py)
-    TE = "te"  # inside Transformer Engine layers, on the engine's tp/cp groups (models/llama/te_parallel.py)
-
-    SPLITTING = frozenset({DTENSOR, ALLGATHER, TE})  # the group's ranks hold different parts
 
 
 @dataclass(frozen=True)
