@@ -8,7 +8,8 @@ from mfsdp_launch.engines.megatron import (MegatronFSDPEngine, _restore_hfsdp_gr
 from mfsdp_launch.engines.megatron_plan import plan_megatron_fsdp
 from mfsdp_launch.core.errors import ConfigError
 from mfsdp_launch.mesh import ParallelDims
-from mfsdp_launch.core.schema import EngineConfig, MeshConfig, PrecisionConfig, ShardingConfig
+from mfsdp_launch.core.schema import MeshConfig, PrecisionConfig, ShardingConfig
+from mfsdp_launch.engines.config import MegatronFSDPConfig
 
 
 def dims(dp_outer=1, dp_shard=-1, cp=1, tp=1, world=2):
@@ -22,7 +23,7 @@ def typed(section, **values):
 
 def plan(d=None, zero=3, outer="no_shard", precision=None, engine=None, **kw):
     return plan_megatron_fsdp(d or dims(), typed(ShardingConfig, zero_dp_strategy=zero, outer_dp_sharding_strategy=outer),
-                              precision or typed(PrecisionConfig), engine or EngineConfig(name="megatron_fsdp"), **kw)
+                              precision or typed(PrecisionConfig), engine or MegatronFSDPConfig(name="megatron_fsdp"), **kw)
 
 
 def test_plain_fsdp_dims_and_groups():
@@ -103,7 +104,7 @@ def test_precision_policy_dtypes():
 
 
 def test_engine_switches_pass_through():
-    e = EngineConfig(name="megatron_fsdp", report_nan_in_param_grad=True, keep_fp8_transpose_cache=True,
+    e = MegatronFSDPConfig(name="megatron_fsdp", report_nan_in_param_grad=True, keep_fp8_transpose_cache=True,
                      use_decoupled_grad=True, sync_every_microbatch=True)
     p = plan(engine=e, cuda_graph=True)
     assert p.report_nan_in_param_grad and p.keep_fp8_transpose_cache and p.use_decoupled_grad
@@ -112,13 +113,13 @@ def test_engine_switches_pass_through():
     assert not any(d[k] for k in ("report_nan_in_param_grad", "keep_fp8_transpose_cache", "use_decoupled_grad",
                                   "sync_model_each_microbatch", "cuda_graph_mode", "init_model_with_meta_device",
                                   "nccl_ub", "fsdp_double_buffer"))
-    ub = plan(engine=EngineConfig(name="megatron_fsdp", nccl_ub=True))
+    ub = plan(engine=MegatronFSDPConfig(name="megatron_fsdp", nccl_ub=True))
     assert ub.nccl_ub and ub.fsdp_double_buffer  # user buffers need the persistent double buffer
-    assert plan(engine=EngineConfig(name="megatron_fsdp", fsdp_double_buffer=True)).fsdp_double_buffer
+    assert plan(engine=MegatronFSDPConfig(name="megatron_fsdp", fsdp_double_buffer=True)).fsdp_double_buffer
 
 
 def test_engine_make_plan_uses_mesh_presence():
-    kw = dict(engine_cfg=EngineConfig(name="megatron_fsdp"), sharding_cfg=ShardingConfig(),
+    kw = dict(engine_cfg=MegatronFSDPConfig(name="megatron_fsdp"), sharding_cfg=ShardingConfig(),
               precision_cfg=PrecisionConfig(), dims=dims(dp_shard=2), device=torch.device("cpu"))
     assert not MegatronFSDPEngine(mesh=None, **kw).make_plan(False).use_mesh
     assert MegatronFSDPEngine(mesh=object(), cuda_graph=True, **kw).make_plan(True).cuda_graph_mode
@@ -128,7 +129,7 @@ def test_zero3_without_unit_modules_is_a_config_error():
     class Spec:
         unit_modules = (torch.nn.Conv2d,)
 
-    eng = MegatronFSDPEngine(engine_cfg=EngineConfig(name="megatron_fsdp"), sharding_cfg=ShardingConfig(),
+    eng = MegatronFSDPEngine(engine_cfg=MegatronFSDPConfig(name="megatron_fsdp"), sharding_cfg=ShardingConfig(),
                              precision_cfg=PrecisionConfig(), dims=dims(dp_shard=2), mesh=None,
                              device=torch.device("cpu"))
     try:
