@@ -88,4 +88,4 @@ def test_dry_run_shows_what_auto_became(tmp_path):
               env={"CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr
     assert "world=2 (1 node(s) x 2, nproc_per_node=auto: no GPU here: 2 CPU processes)" in out.stdout
-    assert "(2, 1, 1, 1)" in out.stdout and "plain FSDP (mesh.dp_outer=1) shards over NVLink" in out.stdout
+    assert "(2, 1, 1, 1)" in out.stdout and "plain FSDP (mesh.dp_outer=1)" in out.stdout

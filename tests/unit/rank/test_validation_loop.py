@@ -12,6 +12,7 @@ import torch
 from helpers import one_rank_group, read_metrics
 from mfsdp_launch.rank.loop import LoopContext, TrainState, train
 from mfsdp_launch.components.metrics import MetricsWriter
+from mfsdp_launch.core.schema import EngineConfig
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,7 +31,7 @@ def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, sto
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    engine = types.SimpleNamespace(engine_cfg=None, set_grad_sync=lambda m, on: None,
+    engine = types.SimpleNamespace(engine_cfg=EngineConfig(), set_grad_sync=lambda m, on: None,
                                    clip_grad_norm=lambda m, c: torch.tensor(1.0))
     spec = types.SimpleNamespace(loss=lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]),
                                  tokens_per_sample=1, flops_per_token=None)
