@@ -1,5 +1,5 @@
 """Megatron-FSDP's arguments as a pure mapping from the config: no CUDA, no process group, unit-tested
-on CPU (tests/test_engine_megatron_args.py)."""
+on CPU (tests/unit/engines/test_engine_megatron_args.py)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ case "$phase" in
     left=$(( budget - ($(date +%s) - start) ))
     timeout "$left" python3 scripts/bench.py ${BENCH:---group gpt} 2>&1 | tee -a "$log" ;;
   te)
-    timeout "$budget" $PYTEST tests/test_models.py tests/gpu/test_te_megatron_fsdp.py 2>&1 | tee -a "$log" ;;
+    timeout "$budget" $PYTEST tests/unit/models/test_models.py tests/gpu/test_te_megatron_fsdp.py 2>&1 | tee -a "$log" ;;
   tests)  # TESTS: the test files (and -k ...) to run, e.g. TESTS="tests/gpu/test_cp_gpu.py"
     timeout -k 10 "$budget" $PYTEST ${TESTS:?TESTS} 2>&1 | tee -a "$log" ;;
   bench)  # BENCH: bench.py arguments, e.g. BENCH="--group ac_peak --group ac8b"

@@ -1,6 +1,6 @@
 """The LLaMA-style architecture shared by `gpt` and `te_gpt`: presets, dimensions, exact parameter
 counts, FLOPs and activation bytes, in pure Python (the dry run and validation use it without
-torch). Counts are checked against the real modules in tests/test_models.py.
+torch). Counts are checked against the real modules in tests/unit/models/test_models.py.
 
 Presets (exact counts from `param_count`, vocab 32000 untied unless noted):
 
