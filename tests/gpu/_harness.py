@@ -179,3 +179,37 @@ def case(job: Job, case_id: str) -> List[dict]:
     if rows[0]["status"] == "skip":
         pytest.skip(rows[0]["reason"])
     return [rows[r]["data"] for r in range(job.world)]
+
+
+# A user model whose third forward asks for ~9 TiB: a real CUDA OOM inside the training step
+# (test_oom_gpu.py, test_one_gpu_features.py).
+OOM_MODULE = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.ff = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.ff(x)
+
+
+class LM(nn.Module):
+    def __init__(self, vocab=256, dim=64):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
+        self.calls = 0
+
+    def forward(self, input_ids):
+        self.calls += 1
+        x = self.emb(input_ids)
+        if self.calls == 3:
+            x = x + torch.empty(10**13, dtype=torch.uint8, device=x.device).sum()  # ~9 TiB: out of memory
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+'''

@@ -24,7 +24,7 @@ import textwrap
 import pytest
 
 import _one_gpu as G
-from _harness import require_gpus
+from _harness import OOM_MODULE, require_gpus
 from _one_gpu import Result, assert_close, assert_learns, uses
 
 pytestmark = pytest.mark.gpu
@@ -74,38 +74,6 @@ def _write_llama(run) -> None:
 
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).save_pretrained(d)
-
-
-OOM_MODULE = '''
-import torch
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.ff = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + self.ff(x)
-
-
-class LM(nn.Module):
-    def __init__(self, vocab=256, dim=64):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
-        self.calls = 0
-
-    def forward(self, input_ids):
-        self.calls += 1
-        x = self.emb(input_ids)
-        if self.calls == 3:
-            x = x + torch.empty(10**13, dtype=torch.uint8, device=x.device).sum()  # ~9 TiB: out of memory
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-'''
 
 
 def _write_oom_module(run) -> None:

@@ -11,45 +11,14 @@ import textwrap
 
 import pytest
 
-from _harness import ROOT, require_gpus
+from _harness import OOM_MODULE, ROOT, require_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]  # 1 GPU: test_one_gpu_features.py
-
-MODULE = '''
-import torch
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.ff = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + self.ff(x)
-
-
-class LM(nn.Module):
-    def __init__(self, vocab=256, dim=64):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
-        self.calls = 0
-
-    def forward(self, input_ids):
-        self.calls += 1
-        x = self.emb(input_ids)
-        if self.calls == 3:
-            x = x + torch.empty(10**13, dtype=torch.uint8, device=x.device).sum()  # ~9 TiB: out of memory
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-'''
 
 
 def test_real_cuda_oom_is_one_line(tmp_path):
     require_gpus(2)
-    (tmp_path / "oom_gpu_model.py").write_text(textwrap.dedent(MODULE))
+    (tmp_path / "oom_gpu_model.py").write_text(textwrap.dedent(OOM_MODULE))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
     args = ["engine=fsdp2", "model=custom", "model.target=oom_gpu_model:LM",
