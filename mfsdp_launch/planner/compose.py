@@ -80,6 +80,8 @@ def finalize(cfg: DictConfig) -> DictConfig:
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
         typed = OmegaConf.merge(typed_schema(container), container)
+    except ConfigError:  # an unknown model or engine name: already one line naming its key
+        raise
     except Exception as exc:
         raise config_error_from(exc) from None
     OmegaConf.set_struct(typed, True)

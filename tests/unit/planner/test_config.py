@@ -104,6 +104,9 @@ REFUSALS = [
     (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=delayed", "fp8.params=true"],
      "engine.keep_fp8_transpose_cache"),
     (["fp8.format=E5M2"], "fp8.format"),
+    # the name that picks a typed section: refused with its own key, not as an override error
+    (["engine.name=foo"], "engine"),
+    (["model.name=foo"], "model"),
     (["fp8.skip=[lm_head]"], "fp8.skip"),  # no FP8 at all: the skip would do nothing
     (["model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=current", "fp8.params=true", "fp8.skip=[lm_head]",
       "engine.keep_fp8_transpose_cache=true", "model.init_on_meta=true"], "fp8.skip"),
