@@ -8,6 +8,7 @@ by path, joins a gloo group over TCP and calls the named function as fn(rank, wo
 from __future__ import annotations
 
 import contextlib
+import logging
 import importlib.util
 import inspect
 import os
@@ -296,3 +297,37 @@ def unknown_key(key: str, family: str) -> str:
     section = section_of(family)
     keys = "|".join(f.name for f in dataclasses.fields(section))
     return f"{key}: {unknown_key_problem(key, section)} (allowed: {keys})"
+
+
+# ------------------------------------------------------------------------- a local object store
+
+
+@contextlib.contextmanager
+def local_s3(bucket: str = "runs"):
+    """A moto S3 server on a free loopback port with `bucket` in it; yields the AWS_* environment
+    that points s3fs at it (set in this process meanwhile; pass it to child processes)."""
+    from unittest import mock
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        with mock.patch.dict(os.environ, env):
+            boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket=bucket)
+            _clear_s3fs_instances()  # s3fs caches clients per arguments: none may point at an old server
+            yield env
+    finally:
+        _clear_s3fs_instances()
+        server.stop()
+
+
+def _clear_s3fs_instances() -> None:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()

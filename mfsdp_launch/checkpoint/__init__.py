@@ -19,12 +19,17 @@ The rooms, each one concept:
     find.py        the newest intact step, a given step, a user's path     (pure Python)
     manifest.py    what a checkpoint records; which config changes resume  (pure Python)
     plan.py        the resume decision, and the launcher's preflight       (pure Python)
+    aside.py       what a run would replace goes to run.dir/previous/<n>/  (pure Python)
     state.py       the small objects that save themselves (RNG, trainer.json)
     commit.py      the save/commit protocol (collective)
     load.py        verify a step's checksums in parallel, then load it
+    reader.py      DCP's reader of a step, on disk or in an object store
     manager.py     CheckpointManager: what a worker holds
     collective.py  gather/broadcast on the checkpoint's CPU group
     core/errors.py      CheckpointError; DCP's BaseException caught for real, told in one line
+
+run.dir may be an object store (s3://, gs://): every module reaches files through core/storage.py,
+and a step directory is then a prefix (its rename copies each object, then deletes the source).
 
 A checksum mismatch at resume counts as damage: the previous intact step is used, with one line
 naming the file, or the run refuses (one line) when none is left. Importing this package (and

@@ -6,9 +6,10 @@
 3. Each rank hashes the files it wrote (its `__<r>_*.distcp` and RNG file, rank 0 the rest) while
    they are still in the page cache; for an async save, in the writer's thread.
 4. One all_gather of (error, checksums) is the agreement. On success rank 0 writes manifest.json
-   (tmp file, fsync, rename), renames the directory to `step_<N>` (an older `step_<N>` is moved
-   away only once the new one is complete), fsyncs the parent and replaces `latest`; a second
-   agreement makes every rank return only after the commit.
+   (tmp file, fsync, rename), renames the directory to `step_<N>` (an older `step_<N>`, of a
+   timeline this run replaced, is moved to run.dir/previous/<n>/ once the new one is complete:
+   aside.py), fsyncs the parent and replaces `latest`; a second agreement makes every rank
+   return only after the commit. Later steps of a replaced timeline are moved there too.
 5. A failure anywhere (a full disk, any OSError, DCP's CheckpointException, which is a
    BaseException) removes the `.tmp` directory, keeps every committed step, and raises
    CheckpointError on every rank naming the failing ranks, the cause and the steps still there.
@@ -16,9 +17,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import sys
 import time
 from concurrent.futures import Future
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..core import storage
+from .aside import move_aside
 from .collective import Group
 from .errors import CheckpointError, dcp_failures, describe
 from .find import committed_steps
@@ -75,10 +76,7 @@ def _why(failed: List[Tuple[int, str]], free: List[Optional[int]], where: Path) 
 
 
 def _free_bytes(path: Path) -> Optional[int]:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
+    return storage.free_bytes(path)
 
 
 class Saver:
@@ -168,7 +166,7 @@ class Saver:
         rank 0 also everything no rank claims by name (.metadata, trainer.json, scheduler.pt)."""
         dcp_rank = self.group.rank_in(dcp_pg)
         mine = []
-        for name in sorted(os.listdir(tmp)):
+        for name in sorted(storage.listdir(tmp)):
             m, r = _DCP_FILE.match(name), _RANK_FILE.match(name)
             owner = int(m.group(1)) if m else int(r.group(1)) if r else 0
             if owner == (dcp_rank if m else self.rank) and (tmp / name).is_file():
@@ -217,7 +215,7 @@ class Saver:
         self.have_steps.discard(job.step)
         free = self.group.gather(_free_bytes(self.dir))  # before the .tmp is gone: a full disk shows
         if self.rank == 0:
-            shutil.rmtree(job.tmp, ignore_errors=True)
+            storage.rmtree(job.tmp, ignore_errors=True)
         self.group.barrier()  # the .tmp is gone before any rank reports (and exits)
         prev = [step_name(s) for s in committed_steps(self.dir)]
         raise CheckpointError(f"checkpoint save of step {job.step} failed ({_why(failed, free, self.dir)}); the "
@@ -235,39 +233,33 @@ class Saver:
                                 train_state=job.train_state, resumed_from=self.resumed_path)
         body = _json(manifest)
         write_atomic(job.tmp / MANIFEST, lambda f: f.write(body))
-        final = self._rename_into_place(job.tmp, job.step)
+        final, replaced = self._rename_into_place(job.tmp, job.step)
         # Committed. What follows is housekeeping: its failures warn, they do not fail the save.
         try:
             write_atomic(self.dir / LATEST, lambda f: f.write((final.name + "\n").encode()))
             size = sum(f["bytes"] for f in files)
             _print(f"checkpoint {final.name} committed ({size / 1e6:.1f} MB, {manifest['save_seconds']:.2f} s"
                    f"{', async' if job.is_async else ''})")
-            self._remove_superseded(job.step)
+            self._remove_superseded(job.step, replaced)
             self._prune()
         except OSError as exc:
             print(f"checkpoint: warning: {final.name} is committed but housekeeping failed: {exc}",
                   file=sys.stderr, flush=True)
 
-    def _rename_into_place(self, tmp: Path, step: int) -> Path:
-        from ..core.atomic_io import fsync_dir
-
+    def _rename_into_place(self, tmp: Path, step: int) -> Tuple[Path, Optional[Path]]:
+        """Rename `tmp` to step_<N>; returns it and the previous/<n> folder an earlier step_<N> went to."""
         final = self.dir / step_name(step)
-        old = None
-        if final.exists():  # a step_<N> of an abandoned timeline: replaced only now
-            old = self.dir / (final.name + ".old" + TMP_SUFFIX)
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
+        aside = None
+        if final.exists():  # a step_<N> of an abandoned timeline (or a damaged one): kept, moved aside
+            aside = move_aside(self.dir.parent, [final])
         try:
-            os.replace(tmp, final)
+            storage.replace(tmp, final)
         except OSError:
-            if old is not None:
-                os.replace(old, final)
+            if aside is not None:
+                storage.replace(aside / final.relative_to(self.dir.parent), final)
             raise
-        fsync_dir(self.dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        storage.fsync_dir(self.dir)
+        return final, aside
 
     def _versions(self) -> dict:
         # Workers pass collect_versions(); it always sets mfsdp-launch, but torch is None for a
@@ -279,19 +271,28 @@ class Saver:
             v["torch"] = torch.__version__
         return v
 
-    def _remove_superseded(self, step: int) -> None:
-        later = [(s, p) for s, p in list_step_dirs(self.dir) if s > step]
-        for s, p in later:
-            shutil.rmtree(p, ignore_errors=True)
+    def _remove_superseded(self, step: int, aside: Optional[Path]) -> None:
+        """Move the step directories that are not this run's timeline to `aside` (where a replaced
+        step_<step> went) or a new previous/<n>; one line names them. This run's timeline: the
+        steps it saved and, when it resumed from this directory, those up to that step. (The
+        launcher has moved them already, aside.py; this is for the ranks started without it.)"""
+        own = self.resumed_path is not None and self.resumed_path.parent == self.dir
+        later = [p for s, p in list_step_dirs(self.dir) if s > step or (not own and s not in self.have_steps)]
+        moved = ([step_name(step)] if aside is not None else []) + [p.name for p in later]
         if later:
-            _print(f"removed {', '.join(p.name for _, p in later)}: later steps of a timeline this run "
-                   f"replaced (it continued from an earlier step)")
+            aside = move_aside(self.dir.parent, later, into=aside)
+        if not moved:
+            return
+        how = (f"it continued from {self.resumed_path.name}" if self.resumed_path is not None
+               else "it started over")
+        _print(f"moved the earlier {', '.join(moved)} to {aside}: a timeline this run replaced ({how}); "
+               "nothing is deleted")
 
     def _prune(self) -> None:
         entries = [(s, p, inspect_checkpoint(p)[1] is None) for s, p in list_step_dirs(self.dir)]
         protect = [self.resumed_path] if self.resumed_path else []
         for p in prune_plan(entries, self.keep_last, protect):
-            shutil.rmtree(p, ignore_errors=True)
+            storage.rmtree(p, ignore_errors=True)
 
 
 def _json(manifest: dict) -> bytes:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Mapping, Optional, Tuple
 
+from ..core import storage
 from ..core.errors import ConfigError
 from .integrity import inspect_checkpoint
 from .layout import (CHECKPOINTS, LATEST, MANIFEST, TMP_SUFFIX, list_step_dirs, parse_step, stale_tmp_entries, step_name)
@@ -33,8 +34,8 @@ class Found:
 
 
 def _inspect(path: Path, damaged: Damaged) -> Tuple[Optional[dict], Optional[str]]:
-    if damaged and Path(path) in damaged:
-        return None, damaged[Path(path)]
+    if damaged and storage.path(path) in damaged:
+        return None, damaged[storage.path(path)]
     return inspect_checkpoint(path)
 
 
@@ -65,7 +66,7 @@ def resolve_checkpoint(path: str | os.PathLike, *, step: Optional[int] = None,
     Without `step`, a checkpoints/run directory gives its newest intact checkpoint. Raises
     ConfigError under `key` when there is none, naming the directory.
     """
-    p = Path(path).expanduser().absolute()
+    p = storage.path(path).expanduser().absolute()
     if not p.exists():
         raise ConfigError(key, f"{p} does not exist")
     if parse_step(p.name) is not None or (p / MANIFEST).exists() or p.name.endswith(TMP_SUFFIX):
@@ -92,13 +93,13 @@ def resolve_checkpoint(path: str | os.PathLike, *, step: Optional[int] = None,
 
 def require_step(ckpt_dir: Path, step: int, *, key: str = "checkpoint.load_step", damaged: Damaged = None) -> Found:
     """The committed checkpoint `step` of `ckpt_dir`, or a ConfigError saying what is there."""
-    target = Path(ckpt_dir) / step_name(step)
+    target = storage.path(ckpt_dir) / step_name(step)
     if target.is_dir():
         manifest, problem = _inspect(target, damaged)
         if problem is None:
             return Found(target, step, manifest)
         state = f"{target} exists but is damaged ({problem})"
-    elif (Path(ckpt_dir) / (step_name(step) + TMP_SUFFIX)).exists():
+    elif (storage.path(ckpt_dir) / (step_name(step) + TMP_SUFFIX)).exists():
         state = f"{target} was never committed (only {target.name}{TMP_SUFFIX}, an interrupted save)"
     else:
         state = f"{target} does not exist"

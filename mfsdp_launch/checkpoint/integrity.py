@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from ..core import storage
 from .layout import DCP_METADATA, MANIFEST, parse_step
 
 CHECKSUM = "xxh3_64"
@@ -32,7 +33,8 @@ def file_checksum(path: str | os.PathLike) -> Tuple[int, str]:
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    p = storage.path(path)
+    with (open(p, "rb", buffering=0) if isinstance(p, Path) else p.open("rb")) as f:
         while True:
             n = f.readinto(buf)
             if not n:
@@ -54,7 +56,7 @@ def checksum_files(root: Path, rels: Iterable[str], threads: int = THREADS) -> D
 def inspect_checkpoint(step_dir: str | os.PathLike) -> Tuple[Optional[dict], Optional[str]]:
     """(manifest, None) for a committed checkpoint whose files all have their recorded sizes,
     else (None, what is wrong)."""
-    step_dir = Path(step_dir)
+    step_dir = storage.path(step_dir)
     mpath = step_dir / MANIFEST
     if not mpath.is_file():
         return None, f"missing {MANIFEST}"
@@ -69,16 +71,16 @@ def inspect_checkpoint(step_dir: str | os.PathLike) -> Tuple[Optional[dict], Opt
     if dir_step is not None and manifest["step"] != dir_step:
         return None, f"{MANIFEST} says step {manifest['step']}"
     names = set()
+    sizes = dict(storage.walk_files(step_dir))  # one listing (on an object store, one request)
     for entry in manifest["files"]:
         try:
             rel, size = str(entry["path"]), int(entry["bytes"])
         except (KeyError, TypeError, ValueError):
             return None, f"{MANIFEST} has a malformed file entry"
         names.add(rel)
-        p = step_dir / rel
-        if not p.is_file():
+        actual = sizes.get(rel)
+        if actual is None:
             return None, f"missing {rel}"
-        actual = p.stat().st_size
         if actual != size:
             return None, f"{rel} has {actual} bytes, the manifest says {size}"
     if DCP_METADATA not in names:
@@ -110,7 +112,7 @@ def verify_checksums(step_dir: str | os.PathLike, manifest: dict, files: Optiona
 
     Raises OSError when a file cannot be read: an unreadable disk is not a damaged checkpoint.
     """
-    step_dir = Path(step_dir)
+    step_dir = storage.path(step_dir)
     expected = {str(e["path"]): str(e["checksum"]) for e in manifest.get("files", [])
                 if isinstance(e, dict) and e.get("checksum")}
     rels = sorted(expected) if files is None else [r for r in files if r in expected]

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
-from ..core.atomic_io import atomic_write
+from ..core import storage
 from ..core.rundir import CHECKPOINTS
 
 LATEST = "latest"
@@ -38,12 +37,13 @@ def rank_file(rank: int) -> str:
 
 
 def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir).expanduser().absolute() / CHECKPOINTS
+    """run.dir/checkpoints: a Path, or a storage.RemotePath for an object-store run.dir."""
+    return storage.path(run_dir).expanduser().absolute() / CHECKPOINTS
 
 
 def list_step_dirs(ckpt_dir: str | os.PathLike) -> List[Tuple[int, Path]]:
     """(step, path) of every `step_<N>` directory (committed or damaged, never `.tmp`), by step."""
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = storage.path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     out = []
@@ -56,26 +56,19 @@ def list_step_dirs(ckpt_dir: str | os.PathLike) -> List[Tuple[int, Path]]:
 
 def list_files(root: Path) -> List[dict]:
     """{"path", "bytes"} of every file under `root` but the manifest, by path."""
-    files = []
-    for dirpath, _dirs, names in os.walk(root):
-        for n in names:
-            p = Path(dirpath) / n
-            rel = p.relative_to(root).as_posix()
-            if rel != MANIFEST:
-                files.append({"path": rel, "bytes": p.stat().st_size})
-    return sorted(files, key=lambda f: f["path"])
+    return [{"path": rel, "bytes": size} for rel, size in storage.walk_files(root) if rel != MANIFEST]
 
 
 def read_latest_pointer(ckpt_dir: str | os.PathLike) -> Optional[str]:
     try:
-        return (Path(ckpt_dir) / LATEST).read_text().strip() or None
+        return (storage.path(ckpt_dir) / LATEST).read_text().strip() or None
     except OSError:
         return None
 
 
 def stale_tmp_entries(ckpt_dir: str | os.PathLike) -> List[Path]:
     """Leftovers of crashed saves/commits: every `*.tmp` entry (never a committed directory)."""
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = storage.path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     return sorted(p for p in ckpt_dir.iterdir() if p.name.endswith(TMP_SUFFIX))
@@ -90,7 +83,7 @@ def clean_stale(run_dir: str | os.PathLike) -> List[Path]:
     removed = stale_tmp_entries(checkpoints_dir(run_dir))
     for p in removed:
         if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
+            storage.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
     return removed
@@ -99,7 +92,7 @@ def clean_stale(run_dir: str | os.PathLike) -> List[Path]:
 def write_atomic(path: Path, write) -> None:
     """`write(file)` into `<path>.tmp`, fsync, rename to `path`, fsync the directory."""
     # The fixed `.tmp` name: a crash's leftover is one that clean_stale removes.
-    atomic_write(path, write, tmp=str(path) + TMP_SUFFIX, sync_dir=True)
+    storage.atomic_write(path, write, tmp=str(path) + TMP_SUFFIX, sync_dir=True)
 
 
 def prune_plan(entries: Iterable[Tuple[int, Path, bool]], keep_last: int,
@@ -111,7 +104,7 @@ def prune_plan(entries: Iterable[Tuple[int, Path, bool]], keep_last: int,
     than the oldest kept one stay, for inspection.
     """
     entries = sorted(entries, key=lambda e: e[0], reverse=True)
-    protect = {Path(p) for p in protect}
+    protect = {storage.path(p) for p in protect}
     kept, cutoff = 0, None
     for step, _path, intact in entries:
         if intact:
@@ -121,4 +114,4 @@ def prune_plan(entries: Iterable[Tuple[int, Path, bool]], keep_last: int,
                 break
     if cutoff is None:
         return []
-    return [Path(p) for s, p, _ in entries if s < cutoff and Path(p) not in protect]
+    return [storage.path(p) for s, p, _ in entries if s < cutoff and storage.path(p) not in protect]

@@ -18,6 +18,7 @@ from .collective import Group
 from .errors import CheckpointError, describe
 from .find import Found
 from .integrity import has_checksums, share, verify_checksums
+from .reader import dcp_reader
 from .state import load_rank_state, read_trainer
 
 
@@ -100,11 +101,9 @@ def load_weights(engine, model, path: Path, group: Group) -> None:
     """Model weights only, matched by name after stripping wrapper prefixes (any engine)."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     from ..engines.base import strip_prefixes
 
-    md = FileSystemReader(str(path)).read_metadata()
+    md = dcp_reader(path).read_metadata()
     by_name = saved_model_keys(md, path=path, key="checkpoint.load_path")
     ours = engine.state_dict(model, None)["model"]
     request, missing, saved_of = {}, [], {}

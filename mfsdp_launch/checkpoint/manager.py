@@ -8,19 +8,27 @@ the training thread). While a save is in flight every `maybe_save` call polls it
 all_gather, so all ranks commit in the same call; the next save and `wait()` block until it is
 done. Final and forced saves are committed before `maybe_save` returns. `maybe_save` and `wait`
 must be called by every rank, in the same order, with the same arguments.
+
+Time-based saves (`checkpoint.interval_minutes`, train time since the last save or the start):
+rank 0's clock decides (`time_due`), and the loop's per-step stop collective carries its vote to
+every rank (`agree`), so all ranks save at the same step without a collective of their own.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Dict, Optional
 
+from ..core import storage
 from ..core.errors import ConfigError
 from .collective import Group
 from .commit import Saver
 from .errors import CheckpointError, dcp_failures, describe
-from .layout import CHECKPOINTS, clean_stale
+from .find import Found, committed_steps
+from .integrity import inspect_checkpoint
+from .layout import CHECKPOINTS, clean_stale, step_name
 from .load import load_full, load_weights, quiet_single_process_warnings, verify
 from .manifest import cfg_get, config_changes
 from .plan import ResumePlan, check_compatible, plan_resume
@@ -36,7 +44,7 @@ class CheckpointManager:
     def __init__(self, ckpt_cfg, run_dir, *, manifest_info: dict, rank: int, world_size: int, engine,
                  process_group=None):
         self.cfg = ckpt_cfg
-        self.run_dir = Path(run_dir).expanduser().absolute()
+        self.run_dir = storage.path(run_dir).expanduser().absolute()  # a Path, or an object store's
         self.dir = self.run_dir / CHECKPOINTS
         self.info = dict(manifest_info or {})
         self.rank, self.world_size = int(rank), int(world_size)
@@ -45,6 +53,9 @@ class CheckpointManager:
         if not self.group.distributed:
             quiet_single_process_warnings()
         self.last_blocked_seconds = 0.0
+        self._resumed: Optional[Found] = None  # the checkpoint a full resume loaded (a rollback target)
+        self._since = time.monotonic()  # the clock of checkpoint.interval_minutes
+        self._due_step: Optional[int] = None  # the step the ranks agreed a time-based save is due
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             clean_stale(self.run_dir)
@@ -81,6 +92,7 @@ class CheckpointManager:
         """
         plan = self._decide()
         self._announce(plan)
+        self._since = time.monotonic()  # training starts now: resuming is not train time
         if plan.kind == "fresh":
             return None
         path = plan.found.path
@@ -97,9 +109,50 @@ class CheckpointManager:
         except dcp_failures() as exc:  # DCP's CheckpointException too (a BaseException)
             raise CheckpointError(f"cannot load {path}: {describe(exc)}") from exc
         self.saver.resumed_path = path
+        self._resumed = plan.found if plan.kind == "resume" else None
         if plan.own and plan.kind == "resume":
             self.saver.have_steps.add(plan.step)
         return result
+
+    def rollback(self, model, optimizer, scheduler, train_state, *, at_most: int) -> Optional[int]:
+        """Reload the newest intact checkpoint this run saved or resumed from, of step `at_most` or
+        earlier (after train.max_bad_steps bad steps in a row, the last step before them:
+        rank/step_guard.py); returns its step, None when there is none. A step failing its
+        checksums is passed over, as at a resume. Collective."""
+        self.wait()  # an async save in flight is committed first: it may be the newest
+        damaged: Dict[Path, str] = {}
+        while True:
+            found = self.group.broadcast(self._rollback_target(int(at_most), damaged) if self.rank == 0 else None)
+            if found is None:
+                return None
+            problem = verify(found, self.group, self.rank)
+            if problem is None:
+                break
+            damaged[found.path] = problem
+            if self.rank == 0:
+                _print(f"{found.name} is damaged ({problem}): not rolling back to it")
+        try:
+            step = load_full(found, engine=self.engine, model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=train_state, group=self.group, rank=self.rank,
+                             world_size=self.world_size, seed=self.info.get("seed", 0) or 0)
+        except dcp_failures() as exc:
+            raise CheckpointError(f"cannot roll back to {found.path}: {describe(exc)}") from exc
+        # The later steps are of a timeline this run replaces: saved again as it gets there.
+        self.saver.have_steps = {s for s in self.saver.have_steps if s <= step}
+        return step
+
+    def _rollback_target(self, step: int, damaged: Dict[Path, str]) -> Optional[Found]:
+        for s in sorted((s for s in self.saver.have_steps if s <= step), reverse=True):
+            path = self.dir / step_name(s)
+            if path in damaged:
+                continue
+            manifest, problem = inspect_checkpoint(path)
+            if problem is None:
+                return Found(path, s, manifest)
+        resumed = self._resumed  # e.g. checkpoint.load_path's: where the run began
+        if resumed is not None and resumed.path not in damaged and resumed.step <= step:
+            return resumed
+        return None
 
     def _decide(self) -> ResumePlan:
         """The plan, with its checkpoint's checksums verified: a step that fails them counts as
@@ -120,7 +173,7 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 plan = plan_resume(self.cfg, self.dir, damaged)
-                check_compatible(plan, self.info)
+                check_compatible(plan, self.info, self.cfg)
                 payload = ("ok", plan)
             except ConfigError as exc:
                 payload = ("error", (exc.key, exc.problem, exc.allowed))
@@ -146,8 +199,18 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------- save
 
+    def time_due(self) -> bool:
+        """Rank 0's vote: checkpoint.interval_minutes of train time have passed since the last save
+        (or the start). Local, no collective: `agree` takes what every rank was told."""
+        minutes = cfg_get(self.cfg, "interval_minutes")
+        return self.rank == 0 and bool(minutes) and time.monotonic() - self._since >= float(minutes) * 60
+
+    def agree(self, step: int, due: bool) -> None:
+        """The ranks' agreed answer to `time_due` at `step` (the same on every rank)."""
+        self._due_step = step if due else None
+
     def _wants(self, step: int, final: bool, force: bool) -> bool:
-        if force or (final and bool(cfg_get(self.cfg, "save_final", True))):
+        if force or (final and bool(cfg_get(self.cfg, "save_final", True))) or self._due_step == step:
             return True
         interval = int(cfg_get(self.cfg, "interval", 0) or 0)
         return interval > 0 and step > 0 and step % interval == 0
@@ -163,13 +226,26 @@ class CheckpointManager:
         if self._wants(step, final, force) and step not in saver.have_steps:
             if saver.pending is not None:
                 saver.finish_pending()
+            if not self.engine.params_finite(model):  # never commit non-finite weights
+                self._refuse_nonfinite(step, final or force)
+                return time.perf_counter() - t0
             use_async = saver.async_pg is not None or (bool(cfg_get(self.cfg, "async_save", False))
                                                        and not self.group.distributed)
             saver.save(step, self.engine, model, optimizer, scheduler, train_state,
                        use_async=use_async and not (final or force))
+            self._since = time.monotonic()  # the save's own time is not train time
         blocked = time.perf_counter() - t0
         self.last_blocked_seconds = blocked
         return blocked
+
+    def _refuse_nonfinite(self, step: int, last: bool) -> None:
+        kept = ", ".join(step_name(s) for s in committed_steps(self.dir)) or "none"
+        why = (f"checkpoint of step {step} not saved: the model's weights are not finite; the committed "
+               f"checkpoints are intact: {kept}")
+        if last:  # nothing after it would save instead
+            raise CheckpointError(why)
+        if self.rank == 0:
+            print(f"checkpoint: warning: {why}", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         """Finish and commit an in-flight async save. Collective."""

@@ -2,8 +2,9 @@
 
 A manifest holds the model section (name, config fields and the resolved `shape`), the mesh and
 engine sections, the world size, versions, the full config and the list of files. At a resume the
-model shape, `model.freeze` and the engine must match (`incompatibilities`); every other change
-is allowed and printed (`config_changes`). Pure Python.
+model shape, `model.freeze` and the engine must match (`incompatibilities`), and so must the keys
+that decide which samples train (`data_changes`, unless checkpoint.allow_data_change=true); every
+other change is allowed and printed (`config_changes`). Pure Python.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from .layout import FORMAT
 # Model config fields that decide the saved tensors' shapes (compared when dims can't be resolved).
 SHAPE_CONFIG_KEYS = ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                      "tie_embeddings", "output_dim")
+
+# The config keys that decide which samples train: a sample is a function of the seed and its
+# global index over the data these describe, so a resume that changes one would not continue the
+# same data. {key: the datasets that read it, None: every dataset} (data/check.py refuses a key
+# set for a dataset that does not read it; data.max_bytes has a default everywhere).
+SAMPLE_KEYS = {
+    "data.name": None, "data.path": ("text",), "data.tokenizer": ("text",), "data.max_bytes": ("text",),
+    "data.sources": ("tokens",), "data.eos_id": ("tokens",), "data.pack": ("text", "tokens"),
+    "data.val_fraction": ("text", "tokens"), "train.seq_len": None, "train.seed": None,
+}
 
 
 def cfg_get(node, key, default=None):
@@ -187,7 +198,18 @@ def incompatibilities(current: dict, manifest: dict, *, weights_only: bool) -> L
         ce, oe = (current.get("engine") or {}).get("name"), (manifest.get("engine") or {}).get("name")
         if ce and oe and ce != oe:
             out.append(("engine", ce, oe))
+        co, oo = optimizer_name(current), optimizer_name(manifest)
+        if co and oo and co != oo:
+            out.append(("optim.name", co, oo))
     return out
+
+
+def optimizer_name(info: dict) -> Optional[str]:
+    """optim.name of a manifest (or manifest info) with a recorded config; adamw before the key existed."""
+    config = info.get("config")
+    if not isinstance(config, dict):
+        return None
+    return str((config.get("optim") or {}).get("name", "adamw"))
 
 
 def _model_changes(cur_m: dict, old_m: dict) -> List[Tuple[str, Any, Any]]:
@@ -199,6 +221,33 @@ def _model_changes(cur_m: dict, old_m: dict) -> List[Tuple[str, Any, Any]]:
     # Unresolvable on one side: compare the config fields.
     return [(f"model.{k}", cur_m[k], old_m[k]) for k in SHAPE_CONFIG_KEYS
             if k in cur_m and k in old_m and cur_m[k] != old_m[k]]
+
+
+def _dig(config: dict, dotted: str, default=None):
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def data_changes(current: dict, manifest: dict) -> List[Tuple[str, Any, Any]]:
+    """(key, value now, value in the checkpoint) for each SAMPLE_KEYS change; [] when either side
+    has no full config (checkpoints written before configs were recorded)."""
+    cur, old = current.get("config"), manifest.get("config")
+    if not isinstance(cur, dict) or not isinstance(old, dict):
+        return []
+    dataset = str(_dig(cur, "data.name", "synthetic"))
+    missing = object()
+    out = []
+    for key, datasets in SAMPLE_KEYS.items():
+        if datasets is not None and dataset not in datasets:
+            continue
+        a, b = _dig(old, key, missing), _dig(cur, key, missing)
+        if a is not missing and b is not missing and plain(a) != plain(b):
+            out.append((key, b, a))
+    return out
 
 
 def _flatten(d: Any, prefix: str = "") -> Dict[str, Any]:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Protocol
@@ -68,7 +69,7 @@ def read_trainer(path: Path) -> dict:
     if trainer.get("scheduler") is None and trainer.get("scheduler_file"):
         import torch
 
-        trainer["scheduler"] = torch.load(path / trainer["scheduler_file"], weights_only=False)
+        trainer["scheduler"] = torch.load(io.BytesIO((path / trainer["scheduler_file"]).read_bytes()), weights_only=False)
     return trainer
 
 
@@ -79,7 +80,7 @@ def load_rank_state(path: Path, *, rank: int, seed: int, step: int) -> bool:
 
     f = path / rank_file(rank)
     if f.is_file():
-        RNGState().load_state_dict(torch.load(f, weights_only=True).get("rng", {}))
+        RNGState().load_state_dict(torch.load(io.BytesIO(f.read_bytes()), weights_only=True).get("rng", {}))
         return True
     seed_all(fallback_seed(seed, rank, step))
     return False

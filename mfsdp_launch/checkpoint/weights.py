@@ -1,12 +1,13 @@
 """A committed checkpoint's model weights, read in one process without a process group (any
-machine, any world size): what `mfsdp-export` and the Hugging Face export write out."""
+machine, any world size): what `mfsdp-export` and the Hugging Face export write out, and what
+`mfsdp-generate` / `mfsdp-eval` load (tools/plain_model.py)."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Dict
 
+from ..core import storage
 from ..core.console import eprint
 from ..core.errors import ConfigError
 
@@ -14,21 +15,22 @@ if TYPE_CHECKING:
     import torch
 
 
-def read_model_state(ckpt: str | os.PathLike) -> tuple[Dict[str, "torch.Tensor"], object]:
-    """The unwrapped model tensors of a committed checkpoint (checksums verified), and its Found record."""
+def read_model_state(ckpt: str | os.PathLike, *, prog: str = "mfsdp-export") -> tuple[Dict[str, "torch.Tensor"], object]:
+    """The unwrapped model tensors of a committed checkpoint (checksums verified), and its Found
+    record. `prog` names the tool in the warning about a damaged step skipped."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from . import CheckpointError, quiet_single_process_warnings, saved_model_keys
+    from .reader import dcp_reader
     from .errors import dcp_failures, describe
 
     quiet_single_process_warnings()
 
-    found = resolve_verified(ckpt)
+    found = resolve_verified(ckpt, prog=prog)
     try:
-        reader = FileSystemReader(str(found.path))
+        reader = dcp_reader(found.path)
         md = reader.read_metadata()
         saved = {}  # {name: saved key} of the tensors only
         for name, key in saved_model_keys(md, path=found.path, key="CKPT_DIR").items():
@@ -48,7 +50,7 @@ def read_model_state(ckpt: str | os.PathLike) -> tuple[Dict[str, "torch.Tensor"]
     return {name: request[key] for name, key in saved.items()}, found
 
 
-def resolve_verified(ckpt: str | os.PathLike):
+def resolve_verified(ckpt: str | os.PathLike, *, prog: str = "mfsdp-export"):
     """The checkpoint CKPT names, its checksums verified. A run or checkpoints directory falls back
     past a step that fails them (one warning line each); a step directory that fails is refused."""
     from . import resolve_checkpoint, verify_checksums
@@ -59,7 +61,7 @@ def resolve_verified(ckpt: str | os.PathLike):
         problem = verify_checksums(found.path, found.manifest)
         if problem is None:
             return found
-        if found.path == Path(ckpt).expanduser().absolute():
+        if found.path == storage.path(ckpt).expanduser().absolute():
             raise ConfigError("CKPT_DIR", f"{found.path} is damaged ({problem})")
-        eprint(f"mfsdp-export: warning: {found.name} is damaged ({problem}); trying the step before it")
+        eprint(f"{prog}: warning: {found.name} is damaged ({problem}); trying the step before it")
         damaged[found.path] = problem

@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
-from ..core import rundir
+from ..core import rundir, storage
 from ..core.hardware import peak_tflops_for
+from .metrics_tail import MetricsTail
 
 
 def device_peak_tflops(device: torch.device, configured: Optional[float]) -> tuple[Optional[float], str]:
@@ -47,50 +48,73 @@ def peak_memory_gib(device: torch.device) -> float:
 
 class MetricsWriter:
     """Rank 0 writes metrics.jsonl, prints log lines and (optionally) TensorBoard scalars and
-    W&B / MLflow rows (`logging_cfg`: the config's `logging` section; see trackers)."""
+    W&B / MLflow rows (`logging_cfg`: the config's `logging` section; see trackers). `run_dir` may
+    be an object store (core/storage.py: the rows are put there every few seconds and at close);
+    the trackers' and TensorBoard's files go to `local_dir` (default: run_dir)."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool = False, start_step: int = 0,
-                 logging_cfg=None):
+    def __init__(self, run_dir, *, enabled: bool, tensorboard: bool = False, start_step: int = 0,
+                 logging_cfg=None, local_dir: Optional[Path] = None, data_tokens: Optional[int] = None):
         self.enabled = enabled
-        self.path = Path(run_dir) / rundir.METRICS
+        self.data_tokens = data_tokens  # the training data's size: each row's epochs = tokens_seen / it
+        self.path = storage.path(run_dir) / rundir.METRICS
+        local_dir = Path(local_dir if local_dir is not None else run_dir)
         self._tb = None
         self._trackers = None
         if enabled and logging_cfg is not None:
             from .trackers import open_trackers
 
-            self._trackers = open_trackers(logging_cfg, run_dir, resumed_step=start_step) or None
+            self._trackers = open_trackers(logging_cfg, local_dir, resumed_step=start_step) or None
+        self._tail = None
         if enabled:
+            if not storage.is_remote(run_dir):  # a torn last line (a crash mid-write): its row again
+                self._tail = MetricsTail(run_dir)
+                self._tail.repair(self.path, start_step)
             self._drop_rows_after(start_step)
-            self._file = open(self.path, "a", buffering=1)
+            self._file = storage.open_append(self.path)
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
 
-                    self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                    self._tb = SummaryWriter(str(local_dir / "tensorboard"))
                 except ImportError:
                     print("mfsdp-train: warning: logging.tensorboard=true but tensorboard is not installed",
                           file=sys.stderr)
 
-    def _drop_rows_after(self, step: int) -> None:
-        """On resume, rows past the checkpoint were never committed: drop them so steps stay unique."""
+    def _drop_rows_after(self, step: int, keep_aside: bool = False) -> None:
+        """On resume, rows past the checkpoint were never committed: drop them so steps stay unique.
+        `keep_aside`: append them to ROLLED_BACK_METRICS instead (a rollback's undone steps)."""
         if not self.path.exists():
             return
-        keep = []
+        keep, undone = [], []
         for line in self.path.read_text().splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if row.get("step", 0) <= step:
-                keep.append(line)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(k + "\n" for k in keep))
-        tmp.replace(self.path)
+            (keep if row.get("step", 0) <= step else undone).append(line)
+        if keep_aside and undone:
+            aside = storage.open_append(self.path.parent / rundir.ROLLED_BACK_METRICS)
+            aside.write("".join(u + "\n" for u in undone))
+            aside.close()
+        text = "".join(k + "\n" for k in keep).encode()
+        storage.atomic_write(self.path, lambda f: f.write(text))
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to `step`: the rows of the later steps move to ROLLED_BACK_METRICS."""
+        if not self.enabled:
+            return
+        self._file.close()
+        self._drop_rows_after(step, keep_aside=True)
+        self._file = storage.open_append(self.path)
 
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
+        if self.data_tokens and isinstance(row.get("tokens_seen"), int):
+            row = {**row, "epochs": row["tokens_seen"] / self.data_tokens}
         self._file.write(json.dumps(row) + "\n")
+        if self._tail is not None:
+            self._tail.add(row)
         if self._trackers is not None:
             self._trackers.log(row)
         if self._tb is not None:

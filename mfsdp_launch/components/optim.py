@@ -1,11 +1,15 @@
-"""AdamW with no-decay groups for norms and biases, and a warm-up + cosine LR schedule."""
+"""The optimizer (`optim.name`: AdamW, or Muon with AdamW for the rest) with no-decay groups for
+norms and biases, and what a resume keeps of the configured hyper-parameters. The LR schedule
+lives in components/schedule.py."""
 
 from __future__ import annotations
 
-import math
 from typing import List
 
 import torch
+
+from ..core.schema import OptimImpl, OptimName
+from .schedule import build_scheduler, lr_at  # noqa: F401  (the schedule, imported from here by callers)
 
 
 def set_lr(group: dict, value: float) -> None:
@@ -15,6 +19,10 @@ def set_lr(group: dict, value: float) -> None:
         group["lr"].fill_(value)
     else:
         group["lr"] = value
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    return p.ndim < 2 or "norm" in name.lower()
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
@@ -27,7 +35,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue  # frozen: no optimizer state at all
-        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+        (no_decay if _no_decay(name, p) else decay).append(p)
     groups = []
     if decay:
         groups.append({"params": decay, "weight_decay": weight_decay})
@@ -37,33 +45,36 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, *, fused_ok: bool = False) -> torch.optim.Optimizer:
-    groups = param_groups(model, optim_cfg.weight_decay)
+    """`fused_ok`: optim.impl=torch may pick torch's fused AdamW (the worker passes: on CUDA)."""
     kwargs = dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
-    if optim_cfg.impl == "te_fused":
+    if OptimName(getattr(optim_cfg, "name", OptimName.adamw)) is OptimName.muon:
+        from .muon import Muon, muon_groups
+
+        no_decay = {id(p) for name, p in model.named_parameters() if _no_decay(name, p)}
+        return Muon(muon_groups(model, optim_cfg.weight_decay, no_decay), momentum=optim_cfg.muon_momentum,
+                    weight_decay=optim_cfg.weight_decay, **kwargs)
+    groups = param_groups(model, optim_cfg.weight_decay)
+    impl = OptimImpl(optim_cfg.impl)
+    if impl is OptimImpl.te_fused:
         from transformer_engine.pytorch.optimizers import FusedAdam
 
         return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    if impl is OptimImpl.fused:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    if impl is OptimImpl.foreach:
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
     return torch.optim.AdamW(groups, fused=True if fused_ok else None, **kwargs)
 
 
-def lr_at(step: int, optim_cfg, total_steps: int) -> float:
-    """LR for optimizer step `step` (0-based): linear warm-up, then cosine to min_lr_ratio * lr."""
-    base = optim_cfg.lr
-    warmup = optim_cfg.warmup_steps
-    if warmup and step < warmup:
-        return base * (step + 1) / warmup
-    decay = max(1, (optim_cfg.decay_steps or total_steps) - warmup)
-    progress = min(1.0, (step - warmup) / decay)
-    floor = base * optim_cfg.min_lr_ratio
-    return floor + 0.5 * (base - floor) * (1 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int):
-    """A LambdaLR over lr_at; created after the engine wrapped the optimizer's step."""
-    base = optim_cfg.lr
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_at(step, optim_cfg, total_steps) / base
-    )
+def fused_adamw_problem(device_type: str) -> str:
+    """'' when torch's fused AdamW steps on `device_type`; else torch's reason, in one line."""
+    try:
+        p = torch.zeros(2, device=device_type, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        torch.optim.AdamW([p], fused=True).step()
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------

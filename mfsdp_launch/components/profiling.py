@@ -8,12 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from ..core import rundir
 from ..core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-PROFILE_DIR = "profile"
+PROFILE_DIR = rundir.PROFILE
 TOP_OPS = "top_ops.txt"
 TOP_N = 15
 

@@ -83,6 +83,31 @@ class _Wandb:
         self.run.finish()
 
 
+CONNECT_TIMEOUT_S = 5.0  # a tracking server that does not answer in this long is not there
+# MLflow's own HTTP defaults retry for minutes (7 retries, backoff factor 2, 120 s timeouts): a
+# tracker must never hold training up that long, at the start or at any row.
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+class TrackerUnreachable(RuntimeError):
+    pass
+
+
+def check_reachable(uri: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """A TCP connection to an http(s) tracking server within `timeout`, else TrackerUnreachable."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "localhost", port), timeout=timeout).close()
+    except OSError as exc:
+        raise TrackerUnreachable(f"the tracking server {uri} did not answer within {timeout:g} s "
+                                 f"({exc.strerror or type(exc).__name__})") from None
+
+
 class _Mlflow:
     name = "mlflow"
 
@@ -91,6 +116,10 @@ class _Mlflow:
         if uri.startswith("file:"):
             # MLflow 3 keeps its file store in maintenance mode behind this switch: it needs no server.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        elif uri.startswith(("http://", "https://")):
+            for k, v in MLFLOW_HTTP.items():
+                os.environ.setdefault(k, v)
+            check_reachable(uri)
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)

@@ -55,6 +55,21 @@ def atomic_write_text(path: Path, text: str, mode: Optional[int] = None) -> None
     atomic_write(path, lambda f: f.write(text.encode()), mode=mode)
 
 
+def swap_text(path, text: str) -> None:
+    """Replace `path` with `text` through a rename, without fsync: a reader sees the old file or
+    the new one, whole; cheap enough for files rewritten every second (progress, a metrics tail)
+    that need not survive a power loss."""
+    path = str(path)
+    tmp = _unique_tmp(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        _discard(tmp)
+        raise
+
+
 def default_file_mode() -> int:
     """The mode `open()` gives a new file here: 0o666 less the umask (0o644 under umask 022)."""
     mask = os.umask(0o022)  # reading the umask means setting it; put it back at once

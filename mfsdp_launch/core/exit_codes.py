@@ -8,6 +8,7 @@ FAILED = 1  # training failed: a rank crashed or was killed, or torchrun could n
 CONFIG = 2  # refused before anything started: a bad config, an unusable or busy run.dir
 INTERRUPTED = 3  # stopped on request (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1, a STOP file) after saving a checkpoint
 ABORTED = 4  # stopped on a second request without waiting for the checkpoint of the last steps
+DIVERGED = 5  # stopped: bad (non-finite) steps went on after train.max_rollbacks rollbacks; checkpoints intact
 
 MEANING = {
     OK: "finished: the run reached train.steps (or already had: nothing to do)",
@@ -15,6 +16,8 @@ MEANING = {
     CONFIG: "bad config, bad arguments, or run.dir unusable or in use by another run; nothing started",
     INTERRUPTED: "stopped on request (Ctrl-C, SIGTERM/HUP/USR1, STOP file), checkpoint saved: re-run to resume",
     ABORTED: "stopped by a second request without saving: re-run resumes from the last checkpoint",
+    DIVERGED: "stopped: non-finite loss/grad norm for train.max_bad_steps steps in a row after "
+              "train.max_rollbacks rollbacks; the committed checkpoints are intact",
 }
 
 

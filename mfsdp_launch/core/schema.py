@@ -43,9 +43,29 @@ class CudaGraphMode(Choice):
     full_iteration = "full_iteration"
 
 
+class OptimName(Choice):
+    """optim.name: the update rule (components/optim.py, components/muon.py)."""
+
+    adamw = "adamw"
+    muon = "muon"  # Newton-Schulz orthogonalized momentum on 2-D weights, AdamW for the rest
+
+
 class OptimImpl(Choice):
-    torch = "torch"
+    """optim.impl: which AdamW kernel runs the update."""
+
+    torch = "torch"  # torch.optim.AdamW: fused on CUDA, torch's default (for-loop/foreach) elsewhere
+    fused = "fused"  # torch.optim.AdamW(fused=True)
+    foreach = "foreach"  # torch.optim.AdamW(foreach=True)
     te_fused = "te_fused"
+
+
+class Schedule(Choice):
+    """optim.schedule: the LR after the linear warm-up (components/schedule.py)."""
+
+    cosine = "cosine"  # cosine to min_lr_ratio * lr over decay_steps
+    linear = "linear"  # straight line to min_lr_ratio * lr over decay_steps
+    wsd = "wsd"  # warm-up, stable at lr, then a linear decay over the last decay_fraction
+    constant = "constant"  # lr after warm-up
 
 
 class ACMode(Choice):
@@ -66,6 +86,13 @@ class LossKernel(Choice):
 class LauncherKind(Choice):
     torchrun = "torchrun"
     slurm = "slurm"
+    pytorchjob = "pytorchjob"  # launcher=kubernetes: a Kubeflow PyTorchJob
+    jobset = "jobset"  # launcher=kubernetes launcher.kind=jobset: a JobSet
+
+
+# The kinds that write a job for a scheduler to run on other machines (nothing starts here).
+SCHEDULED_KINDS = (LauncherKind.slurm, LauncherKind.pytorchjob, LauncherKind.jobset)
+KUBERNETES_KINDS = (LauncherKind.pytorchjob, LauncherKind.jobset)
 
 
 @dataclass
@@ -153,6 +180,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    name: OptimName = OptimName.adamw
     impl: OptimImpl = OptimImpl.torch
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
@@ -160,9 +188,14 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # Muon's momentum (optim.name=muon); beta1/beta2 stay those of its AdamW part.
+    muon_momentum: float = 0.95
+    schedule: Schedule = Schedule.cosine
     warmup_steps: int = 10
-    # Cosine decay length; null: train.steps.
+    # Length of the whole schedule (warm-up included); null: train.steps.
     decay_steps: Optional[int] = None
+    # schedule=wsd: the last fraction of decay_steps that decays to min_lr_ratio * lr.
+    decay_fraction: float = 0.2
 
 
 @dataclass
@@ -185,6 +218,9 @@ class TrainConfig:
     grad_clip: Optional[float] = 1.0
     cuda_graph: CudaGraphMode = CudaGraphMode.none
     progress: bool = True
+    # At every log step, name a rank whose busy time per step is over this many times the median
+    # of the others (rank/straggler.py: one all_gather of a float); 0: off.
+    straggler_ratio: float = 1.5
     # Device peak in TFLOP/s for MFU; null looks the device up, and MFU is null if unknown.
     peak_tflops: Optional[float] = None
     # Hang diagnosis: when no step completes for this many seconds, every rank prints all its
@@ -194,6 +230,15 @@ class TrainConfig:
     # at the end; a final validation always runs), val_steps micro-batches per rank each time.
     val_interval: int = 0
     val_steps: int = 10
+    # Bad steps (rank/step_guard.py), checked every step before the optimizer step: a non-finite
+    # loss or gradient norm is skipped (no update); max_bad_steps of them in a row roll the run back
+    # to its newest checkpoint (0: the first one stops the run), the LR then x rollback_lr_scale;
+    # the bad steps after max_rollbacks rollbacks stop it (exit code 5).
+    max_bad_steps: int = 3
+    max_rollbacks: int = 2
+    rollback_lr_scale: float = 1.0
+    # A loss this many standard deviations above the mean of the last 100 steps is a bad step too; null: off.
+    spike_zscore: Optional[float] = None
     # e.g. {start: 10, steps: 3} or train.profile.steps=3: profile those steps (components/profiling.py);
     # steps 0 or null: off. (A node, not a None default: Hydra cannot merge a mapping into None.)
     profile: Optional[ProfileConfig] = field(default_factory=ProfileConfig)
@@ -229,10 +274,19 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # 0: only the final save
+    interval: int = 0  # every N steps; 0: by time (interval_minutes) and at the end only
+    # Also save after this many minutes of training since the last save (Lightning's
+    # train_time_interval; rank 0's clock, agreed by every rank); null: by steps only.
+    interval_minutes: Optional[float] = 30.0
     keep_last: int = 3
     async_save: bool = False
     resume: ResumeMode = ResumeMode.auto
+    # resume=never in a run dir with checkpoints: start over anyway, the earlier run's files moved
+    # to run.dir/previous/<n>/ (never deleted). false: refused, naming the checkpoints.
+    overwrite: bool = False
+    # Resume although a key that decides which samples train changed (checkpoint/manifest.py
+    # SAMPLE_KEYS: data sources, weights, split, seq_len, pack, seed); false: refused.
+    allow_data_change: bool = False
     load_step: Optional[int] = None
     load_path: Optional[str] = None
     load_weights_only: bool = False
@@ -242,7 +296,11 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     name: str = "run"
+    # A directory, or an object store: s3://BUCKET/PATH, gs://BUCKET/PATH (docs/checkpoints.md).
     dir: str = "runs/${run.name}"
+    # Object-store run.dir only: this machine's folder for the logs, the STOP file and the frozen
+    # config the ranks read; null: runs/<scheme>/<bucket>/<path> in the working directory.
+    local_dir: Optional[str] = None
 
 
 @dataclass
@@ -264,6 +322,18 @@ class LauncherConfig:
     account: Optional[str] = None
     time_limit: str = "04:00:00"
     gpus_per_node: Optional[int] = None
+    # kubernetes (pytorchjob|jobset): one pod per node running `image`; the run dir is the volume
+    # claim `pvc` mounted at `pvc_mount` in every pod (sub-directory run.name); docs/sweeps_and_clusters.md.
+    image: Optional[str] = None
+    namespace: Optional[str] = None
+    pvc: Optional[str] = None
+    pvc_mount: str = "/mnt/run"
+    cpus_per_node: Optional[int] = None
+    memory_per_node: Optional[str] = None  # a Kubernetes quantity, e.g. 1500Gi
+    # SIGTERM (a preemption, a drain) to a pod: the ranks save and stop within this many seconds.
+    termination_grace_s: int = 300
+    # Restarts of the job after a failure or a preemption (PyTorchJob backoffLimit, JobSet maxRestarts).
+    backoff_limit: int = 3
     # Start even when the memory estimate (planner/memory.py) exceeds the GPU's memory.
     force_memory: bool = False
 

@@ -8,9 +8,9 @@ Importing this package imports numpy only (torch is imported inside the mask fun
 from .dataset import SPLITS, TokenDataset
 from .doc_mask import block_causal_mask, cu_seqlens, doc_ids_from_eos, flex_block_mask, position_ids
 from .shards import verify
-from .sources import PACKS, Source, check_sources, resolve
+from .sources import PACKS, Source, check_integrity, check_sources, resolve
 
 __all__ = [
-    "TokenDataset", "SPLITS", "PACKS", "check_sources", "resolve", "Source", "verify",
+    "TokenDataset", "SPLITS", "PACKS", "check_integrity", "check_sources", "resolve", "Source", "verify",
     "block_causal_mask", "flex_block_mask", "position_ids", "cu_seqlens", "doc_ids_from_eos",
 ]

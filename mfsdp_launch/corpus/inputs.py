@@ -69,7 +69,24 @@ def expand(specs: Sequence[str]) -> List[str]:
         if len(found) == before and os.path.isdir(p):
             raise ConfigError("INPUT", f"directory {spec!r} has no input files",
                               ", ".join("*" + e for e in SEARCH_EXT))
-    return sorted(found)
+    files = sorted(found)
+    for f in files:
+        check_readable(f)
+    return files
+
+
+def check_readable(path: str) -> None:
+    """One line, before any work, for an input that cannot be read: a dangling symbolic link,
+    something that is not a regular file (a FIFO would block), no permission, an I/O error."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ConfigError("INPUT", f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist")
+    if not os.path.isfile(path):
+        raise ConfigError("INPUT", f"{path} is not a regular file", "files, directories or globs")
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        raise ConfigError("INPUT", f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _jsonl_cuts(path: str, size: int, shard_bytes: int) -> List[int]:

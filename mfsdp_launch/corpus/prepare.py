@@ -9,13 +9,17 @@
 
 ``prepare`` is resumable: each finished shard is appended to ``DIR/progress.jsonl``; a rerun of
 the same command (same inputs, tokenizer and options) skips those and continues. The output
-is byte-identical for the same inputs whatever the worker count. Bad input is one line, exit 2;
-an interruption exits 130 and says how to continue.
+is byte-identical for the same inputs whatever the worker count. Bad input is one line, exit 2
+(an unreadable input or a dangling link before any work; an input refused for holding no
+document leaves no ``DIR`` behind); an interruption exits 130 and says how to continue. A prepare
+holds a lock on ``DIR`` (flock on the directory): a second one into it waits, then finds it done.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import multiprocessing as mp
@@ -86,6 +90,9 @@ class _Ledger:
             except ValueError:  # a line cut by the interruption
                 continue
             if n == 0 and rec.get("fingerprint") != self.fingerprint:
+                if not any('"index"' in x for x in lines[1:]):  # no finished shard: nothing to keep
+                    os.unlink(self.path)
+                    return {}
                 raise ConfigError("--out", f"{os.path.dirname(self.path)} holds an interrupted preparation of "
                                   f"other inputs, tokenizer or options; use another directory or delete it")
             if n == 0 or not isinstance(rec, dict) or "index" not in rec:
@@ -171,11 +178,60 @@ def prepare(input_specs: Sequence[str], tokenizer: str, out: str, *, field: str 
             "checksum": shards.checksum_algo(), "inputs": files}
     fp = _fingerprint(files, meta)
     meta["fingerprint"] = fp
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError("--out", f"{out} exists and is not a directory")
+    with _locked_out(out) as created:
+        try:
+            return _prepare_into(out, files, meta, tok_path, workers, show_progress)
+        except ConfigError:
+            if created:  # refused: leave no directory behind, so that a fixed command starts clean
+                _remove_if_empty(out)
+            raise
+
+
+@contextlib.contextmanager
+def _locked_out(out: str):
+    """Hold an exclusive lock on the directory `out` (created if missing): a second prepare into
+    it waits for the first. Yields whether this call created it."""
+    while True:
+        created = not os.path.isdir(out)
+        os.makedirs(out, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"mfsdp-data: another mfsdp-data prepare is writing {out}; waiting for it to finish",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            now, held = os.stat(out), os.fstat(fd)
+            same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the other prepare removed the directory it had made: lock the new one
+    try:
+        yield created
+    finally:
+        os.close(fd)
+
+
+def _remove_if_empty(out: str) -> None:
+    try:
+        os.rmdir(out)
+    except OSError:
+        pass
+
+
+def _prepare_into(out: str, files: List[str], meta: Dict[str, Any], tok_path: str, workers: Optional[int],
+                  show_progress: bool) -> tuple:
+    """prepare() with `out` locked: skip what an earlier run finished, tokenize the rest."""
+    fp, field, eos, dtype = meta["fingerprint"], meta["field"], meta["eos_id"], np.dtype(meta["dtype"])
     finished = _check_out_dir(out, fp)
     if finished is not None:
         return finished, "already prepared (same inputs, tokenizer and options)"
-    items = inputs.plan(files, field, shard_bytes)
-    os.makedirs(out, exist_ok=True)
+    items = inputs.plan(files, field, meta["shard_bytes"])
     ledger = _Ledger(out, fp)
     done = ledger.load()
     jobs = [{"index": i, "pieces": p, "out": out, "field": field, "dtype": dtype.name, "eos_id": eos,
@@ -197,11 +253,22 @@ def prepare(input_specs: Sequence[str], tokenizer: str, out: str, *, field: str 
         ledger.close()
     manifest = shards.build_manifest([done[i] for i in range(len(items))], meta)
     if manifest["n_documents"] == 0:
+        for rec in done.values():  # shards without a document, and the ledger: nothing to keep
+            for ext in rec.get("files", {}):
+                _unlink(os.path.join(out, f"{rec['name']}.{ext}"))
+        _unlink(ledger.path)
         raise ConfigError("INPUT", f"no documents with text in {len(files)} file(s)"
                           + (f" (no {field!r} field?)" if manifest["skipped"] else ""))
     shards.write_manifest(out, manifest)
     os.unlink(ledger.path)
     return manifest, summary
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 # ------------------------------------------------------------------------------- CLI

@@ -8,6 +8,12 @@
 
 Checksums are xxh64 when ``xxhash`` is installed, else crc32 (zlib); the value carries its
 algorithm (``"xxh64:..."``), so a directory checks out on any machine that has that algorithm.
+
+Each file also records a *sampled* checksum: of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes at
+fixed offsets (the first at 0, the last ending at the end of the file, the others evenly
+between; a file of at most SAMPLE_BLOCKS blocks is hashed whole). The launcher checks sizes and
+sampled checksums before spawning (`check_sampled`: a few KiB read per file, whatever the corpus
+size); ``mfsdp-data verify DIR`` checks every byte (`verify`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -26,6 +32,8 @@ MANIFEST = "manifest.json"
 FORMAT = "mfsdp-tokens"
 FORMAT_VERSION = 1
 READ_BLOCK = 1 << 22
+SAMPLE_BLOCK = 1 << 12  # bytes per sampled block
+SAMPLE_BLOCKS = 4
 
 
 class _Crc32:
@@ -81,8 +89,29 @@ def shard_name(i: int) -> str:
     return f"shard_{i:06d}"
 
 
+def sample_offsets(size: int, block: int = SAMPLE_BLOCK, count: int = SAMPLE_BLOCKS) -> List[Tuple[int, int]]:
+    """The (offset, length) blocks the sampled checksum of a `size`-byte file reads."""
+    if size <= block * count:
+        return [(0, size)]
+    last = size - block
+    return [(round(i * last / (count - 1)), block) for i in range(count)]
+
+
+def sampled_checksum(path: str, algo: str = "", block: int = SAMPLE_BLOCK, count: int = SAMPLE_BLOCKS) -> str:
+    """The checksum of the file's sampled blocks (sample_offsets), ``"<algo>:<hex>"``."""
+    h = Hasher(algo)
+    with open(path, "rb") as f:
+        for offset, length in sample_offsets(os.fstat(f.fileno()).st_size, block, count):
+            f.seek(offset)
+            h.update(f.read(length))
+    return str(h)
+
+
 def file_entry(path: str, checksum: str) -> Dict[str, Any]:
-    return {"bytes": os.path.getsize(path), "checksum": checksum}
+    """A file's manifest entry: size, checksum and the sampled checksum (same algorithm)."""
+    algo = checksum.partition(":")[0]
+    return {"bytes": os.path.getsize(path), "checksum": checksum,
+            "sample": {"block": SAMPLE_BLOCK, "blocks": SAMPLE_BLOCKS, "checksum": sampled_checksum(path, algo)}}
 
 
 def check_file(path: str, entry: Dict[str, Any], full: bool = True) -> str:
@@ -100,6 +129,34 @@ def check_file(path: str, entry: Dict[str, Any], full: bool = True) -> str:
             return f"{path}: {e}"
         if got != entry["checksum"]:
             return f"{path} checksum {got} != manifest {entry['checksum']}"
+    return ""
+
+
+def check_sampled(path: str, entry: Dict[str, Any]) -> str:
+    """'' when ``path`` has its manifest size and sampled checksum (when the manifest has one:
+    corpora prepared before it have sizes only), else what is wrong, naming the file."""
+    problem = check_file(path, entry, full=False)
+    sample = entry.get("sample")
+    if problem or not isinstance(sample, dict):
+        return problem
+    want = str(sample.get("checksum"))
+    try:
+        got = sampled_checksum(path, want.partition(":")[0], int(sample["block"]), int(sample["blocks"]))
+    except (KeyError, TypeError, ValueError) as e:
+        return f"{path}: unreadable sampled checksum in the manifest ({e})"
+    if got != want:
+        return f"{path} is damaged: its sampled checksum {got} differs from the manifest's {want}"
+    return ""
+
+
+def check_prepared(directory: str) -> str:
+    """The first file of a prepared directory failing `check_sampled`, as one line ('' if none)."""
+    m = read_manifest(directory)
+    for s in m["shards"]:
+        for ext in ("bin", "idx"):
+            problem = check_sampled(os.path.join(directory, f"{s['name']}.{ext}"), s["files"][ext])
+            if problem:
+                return problem
     return ""
 
 

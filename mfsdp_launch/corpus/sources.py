@@ -165,3 +165,21 @@ def check_sources(sources: Sequence[Any], *, key: str = "data.sources", seq_len:
             raise ConfigError(f"{k}.path", f"{path!r} was tokenized with another tokenizer than {key}[0]")
         out.append(src)
     return out
+
+
+def check_integrity(sources: Sequence[Any], *, key: str = "data.sources") -> None:
+    """Sizes and sampled checksums (shards.check_sampled) of every prepared directory that
+    ``sources`` name; a ConfigError naming the first damaged file. Megatron and flat files have
+    no manifest, so nothing to check them against. Run by the launcher before spawning."""
+    for i, entry in enumerate(sources):
+        k = f"{key}[{i}].path"
+        for kind, path in _entries(_get(entry, "path"), k):
+            if kind != "prepared":
+                continue
+            try:
+                problem = _shards.check_prepared(path)
+            except (ValueError, OSError) as e:
+                raise ConfigError(k, first_line(e, type(e).__name__)) from None
+            if problem:
+                raise ConfigError(k, f"{problem}; not training on it (`mfsdp-data verify {path}` checks every byte)")
+

@@ -50,6 +50,19 @@ def check_data_config(data_cfg: Any, *, vocab_size: Optional[int], train: Any = 
         _check_tokens(data_cfg, vocab_size, seq_len)
 
 
+def check_data_integrity(data_cfg: Any) -> None:
+    """The launcher's check of the data's bytes before spawning: every prepared shard of
+    ``data.sources`` / ``data.val_sources`` against its manifest's sizes and sampled checksums
+    (a few KiB per file); ConfigError naming the damaged file. (``data=text``: its token cache is
+    verified in full wherever it is opened, and rebuilt when damaged: text.py.)"""
+    if str(cfg_get(data_cfg, "name", "synthetic")) != "tokens":
+        return
+    from ..corpus import check_integrity
+
+    check_integrity(list(cfg_get(data_cfg, "sources") or []), key="data.sources")
+    check_integrity(list(cfg_get(data_cfg, "val_sources") or []), key="data.val_sources")
+
+
 def _check_keys_apply(data_cfg: Any, name: str) -> None:
     for key, names in _ONLY_FOR.items():
         value = cfg_get(data_cfg, key, _DEFAULTS[key])

@@ -17,7 +17,9 @@ The cache is ``CACHE_DIR/<key>/`` (``data.cache_dir``, else ``$MFSDP_CACHE_DIR``
 the separator after it) and a ``manifest.json``. The key hashes the files with their sizes and
 mtimes, ``max_bytes`` and the tokenizer's content, so editing any of them rebuilds it. Ranks may
 build at once: every file is written to a unique temporary name and renamed into place (same
-content, so idempotent), and the manifest, written last, marks the cache complete.
+content, so idempotent), and the manifest, written last, marks the cache complete. A cache is
+verified against its manifest's checksums whenever it is opened (the launcher opens it once
+before spawning): a damaged one is rebuilt, with a warning naming the file, never trained on.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import sysconfig
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -258,8 +261,14 @@ def build_token_cache(data_cfg: Any) -> Tuple[str, Dict[str, Any]]:
         tok_id = {"kind": "tokenizer.json", "sha256": file_sha256(tok_path)}
         vocab = json_vocab_size(tok_path)
     out = os.path.join(cache_dir_for(data_cfg), _cache_key(sources, max_bytes, tok_id, vocab))
+    damage = ""
     try:
-        return out, shards.open_prepared(out)[0]
+        manifest = shards.open_prepared(out)[0]
+        # Every byte checked (a cache is at most max_bytes of tokens): a damaged one is rebuilt.
+        problems = shards.verify(out)
+        if not problems:
+            return out, manifest
+        damage = problems[0]
     except ValueError:  # absent, or torn by someone: (re)build it
         pass
     tokens, lengths, vocab = _tokenize(_read_pieces(sources, max_bytes), tok_path, vocab)
@@ -272,4 +281,7 @@ def build_token_cache(data_cfg: Any) -> Tuple[str, Dict[str, Any]]:
     manifest = shards.build_manifest([entry] if len(tokens) else [], meta)
     shards.write_manifest(out, manifest)
     log.info("built token cache %s: %d tokens from %d files", out, len(tokens), len(sources))
+    if damage:
+        print(f"mfsdp-train: warning: data=text: the token cache {out} was damaged ({damage}); rebuilt it from "
+              f"the text files", file=sys.stderr, flush=True)
     return out, manifest

@@ -31,6 +31,8 @@ class EngineCaps:
     tp_modes: FrozenSet[str] = frozenset()
     cp_modes: FrozenSet[str] = frozenset()
     why_not: str = ""  # appended to refusals: what to use instead
+    # optim.name=muon (components/muon.py): Newton-Schulz on DTensor parameters, gathered one at a time.
+    muon: bool = False
     section: type = EngineConfig  # its `engine` config section (engines/config.py)
 
 
@@ -57,6 +59,7 @@ ENGINES: Dict[str, EngineCaps] = {
             main_params_dtypes=frozenset({None, *WIDE_DTYPES}), why_not="use engine=megatron_fsdp",
             # A 2-D mesh: FSDP over dp (x cp, the flattened dp_shard_cp dim), DTensor TP over tp.
             tp_modes=frozenset({Parallel.DTENSOR}), cp_modes=frozenset({Parallel.ALLGATHER}), section=FSDP2Config,
+            muon=True,
         ),
     )
 }

@@ -1,15 +1,32 @@
-"""The engine interface: shard a model, wrap its optimizer, control gradient sync, clip, and
-produce/load the state dicts that the checkpoint module saves with DCP."""
+"""The engine interface: shard a model, wrap its optimizer, control gradient sync, check and clip
+each step (`check_step`: the global gradient norm and every rank's loss finiteness in one
+all-reduce), and produce/load the state dicts that the checkpoint module saves with DCP."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..core.globs import check_globs_match, matching
+
+
+@dataclass
+class StepCheck:
+    """One step's check (Engine.check_step): the same on every rank."""
+
+    grad_norm: float  # global L2 norm of the gradients, before clipping
+    loss: float  # the step's loss, the mean over ranks
+    finite: bool  # loss and gradient norm finite on every rank
+    bad_ranks: int = 0  # ranks whose own loss was not finite
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class Engine(ABC):
@@ -40,19 +57,84 @@ class Engine(ABC):
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: Optional[float]) -> torch.Tensor:
         """Global L2 norm of the gradients over all shards; scales them to max_norm if given."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for p in params:
-            sq += local_tensor(p.grad).float().pow(2).sum() * self.grad_square_weight(p.grad)
-        group = self.grad_norm_group()
-        if group is not None:
-            dist.all_reduce(sq, group=group)
-        total = sq.sqrt()
-        if max_norm is not None:
-            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for p in params:
-                local_tensor(p.grad).mul_(scale.to(local_tensor(p.grad).dtype))
+        sq, grads = self.local_grad_square(model)
+        total = self._all_reduce(sq.reshape(1))[0].sqrt()
+        self.scale_grads(grads, total, max_norm)
         return total
+
+    def check_step(self, model: torch.nn.Module, max_norm: Optional[float], loss: torch.Tensor) -> "StepCheck":
+        """The step's gradient norm and loss, checked on every rank with the one reduction the
+        norm needs anyway: [weighted square sum, 1 if this rank's loss is not finite, loss / world]
+        summed over all ranks. The host reads those three numbers (the step's one device sync);
+        the gradients are clipped only when the step is finite (a skipped step zeroes them).
+        `loss`: this rank's loss of the step (mean over its microbatches). Collective."""
+        sq, grads = self.local_grad_square(model)
+        loss = loss.detach().reshape(()).to(sq.dtype)
+        world = _world_size()
+        buf = self._all_reduce(torch.stack([sq, (~torch.isfinite(loss)).to(sq.dtype), loss / world]))
+        sq_sum, bad_ranks, mean_loss = buf.tolist()
+        norm = math.sqrt(sq_sum) if sq_sum >= 0 else float("nan")
+        finite = bad_ranks == 0 and math.isfinite(norm) and math.isfinite(mean_loss)
+        if finite:
+            self.scale_grads(grads, buf[0].sqrt(), max_norm)
+        return StepCheck(grad_norm=norm, loss=mean_loss, finite=finite, bad_ranks=int(bad_ranks))
+
+    def local_grad_square(self, model: torch.nn.Module) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """(this rank's weighted sum of squares of its gradient shards, those shards): summed over
+        `norm_groups()`, the sums make the global norm's square."""
+        grads = []
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in model.parameters():
+            if p.grad is not None:
+                grads.append(local_tensor(p.grad))
+                sq += grads[-1].float().pow(2).sum() * self.grad_square_weight(p.grad)
+        return sq, grads
+
+    def scale_grads(self, grads: List[torch.Tensor], total: torch.Tensor, max_norm: Optional[float]) -> None:
+        """Clip: scale every local gradient shard by min(1, max_norm / total)."""
+        if max_norm is None or not grads:
+            return
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, gs in by_dtype.items():
+            torch._foreach_mul_(gs, scale.to(dtype))
+
+    def norm_groups(self) -> List[Any]:
+        """The process groups the local squares are summed over (in order) to the global norm's
+        square; the ranks outside them hold copies of the same gradients."""
+        group = self.grad_norm_group()
+        return [group] if group is not None else []
+
+    def _all_reduce(self, buf: torch.Tensor) -> torch.Tensor:
+        """Sum `buf` (whose first entry is the local square sum) over every rank, in one
+        all-reduce: the square sum is weighted by (ranks its norm groups cover / world size), so
+        the copies outside those groups count once in all, and every rank sees every other
+        entry (a loss flag) too."""
+        world = _world_size()
+        if world == 1:
+            return buf
+        covered = math.prod(dist.get_world_size(g) for g in self.norm_groups())
+        if covered != world:
+            weight = torch.ones_like(buf)
+            weight[0] = covered / world
+            buf = buf * weight
+        dist.all_reduce(buf)
+        return buf
+
+    def params_finite(self, model: torch.nn.Module) -> bool:
+        """Whether every rank's parameter shards are finite (one all-reduce); checked before a
+        checkpoint is saved. Collective."""
+        bad = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in model.parameters():
+            t = local_tensor(p)
+            # Plain tensors only: quantized (FP8) primary weights have no isfinite of their own.
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() and t.is_floating_point():
+                bad += (~torch.isfinite(t)).any().float()
+        if _world_size() > 1:
+            dist.all_reduce(bad)
+        return bool(bad.item() == 0)
 
     def grad_norm_group(self):
         """Process group over which the weighted local squares add up to the global norm's square."""

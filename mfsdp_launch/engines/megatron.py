@@ -13,7 +13,8 @@ what Megatron-FSDP 0.6.1 leaves to the caller (see shared notes):
 * There is no compute dtype: the model is cast to `precision.compute_dtype` before wrapping (TE
   FP8 primary weights are left alone).
 * Gradient clipping: the global L2 norm over uneven gradient shards (some `None`) is summed over
-  the group the shards are disjoint in (`dist_index`), then every shard is scaled.
+  the groups the shards are disjoint in (`dist_index`, TE's tp group), weighted so that one
+  all-reduce over every rank gives it (engines/base.py), then every shard is scaled.
 * Checkpoints: `model.state_dict()` gives DTensors (uneven shards, DCP-ready) but drops TE's
   `_extra_state` (FP8 delayed-scaling history) and is unsupported with `no_shard`. We save the
   FP8 history ourselves under "te_extra_state" (plain tensors serialized to bytes, no pickle of
@@ -215,8 +216,8 @@ class MegatronFSDPEngine(Engine):
             sq = sq + torch.stack(torch._foreach_norm(gs, 2.0, dtype=acc)).pow(2).sum()
         return sq
 
-    def clip_grad_norm(self, model, max_norm: Optional[float]) -> torch.Tensor:
-        """Global L2 norm over uneven shards (None where a shard is empty); scales to max_norm."""
+    def local_grad_square(self, model):
+        """This rank's square sum over uneven shards (None where a shard is empty), and its shards."""
         m = unwrap(model)
         if not getattr(m, "model_auto_sync", True):
             raise RuntimeError("clip_grad_norm before the gradients were synchronized: call "
@@ -224,30 +225,18 @@ class MegatronFSDPEngine(Engine):
         tp_group = self.tp_group()
         if tp_group is None:
             grads = self._grads(m)
-            sq = self._square_norm(grads)
-        else:
-            from ..models.llama.te_parallel import sync_sequence_parallel_grads
+            return self._square_norm(grads), grads
+        from ..models.llama.te_parallel import sync_sequence_parallel_grads
 
-            # Norm weights under sequence parallelism saw 1/tp of the tokens: sum them first.
-            sync_sequence_parallel_grads(m.parameters(), tp_group, self._grad_attr())
-            # TP shards are disjoint over tp; replicated parameters are counted once (1/tp per rank).
-            grads = self._grads(m)
-            sq = self._square_norm(self._grads(m, tp_sharded=True)) + \
-                self._square_norm(self._grads(m, tp_sharded=False)) / self.dims.tp
-        group = self.grad_norm_group()
-        if group is not None:
-            dist.all_reduce(sq, group=group)
-        if tp_group is not None:
-            dist.all_reduce(sq, group=tp_group)
-        total = sq.sqrt()
-        if max_norm is not None and grads:
-            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-            for g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
-            for dtype, gs in by_dtype.items():
-                torch._foreach_mul_(gs, scale.to(dtype))
-        return total
+        # Norm weights under sequence parallelism saw 1/tp of the tokens: sum them first.
+        sync_sequence_parallel_grads(m.parameters(), tp_group, self._grad_attr())
+        # TP shards are disjoint over tp; replicated parameters are counted once (1/tp per rank).
+        sq = self._square_norm(self._grads(m, tp_sharded=True)) + \
+            self._square_norm(self._grads(m, tp_sharded=False)) / self.dims.tp
+        return sq, self._grads(m)
+
+    def norm_groups(self):
+        return [g for g in (self.grad_norm_group(), self.tp_group()) if g is not None]
 
     # ------------------------------------------------------------------------------ checkpoints
 

@@ -4,6 +4,7 @@ runs answer fast."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -18,6 +19,7 @@ from .launch import check, run_checked
 
 HELP = """\
 usage: mfsdp-train [+recipe=NAME] [key=value ...] [-m key=a,b ...] [--cfg] [--config-dir DIR]
+       mfsdp-train --shell-completion install=bash
 
 Compose a training config (Hydra groups + recipes + overrides), validate it, and launch it
 with torchrun. Examples:
@@ -28,19 +30,24 @@ with torchrun. Examples:
   mfsdp-train --config-dir ~/my_configs +recipe=mine     your own recipes in ~/my_configs/recipe/
 
 config groups: engine={engines}  model={models}
-  data={datasets}  launcher=torchrun|slurm  +recipe=<name>
+  data={datasets}  launcher={launchers}  +recipe=<name> (below)
 main keys: mesh.{dp_outer,dp_shard,cp,tp}  sharding.{zero_dp_strategy,outer_dp_sharding_strategy}
   precision.{compute_dtype,main_params_dtype,main_grads_dtype,grad_comm_dtype}  fp8.recipe
   model.{preset,activation_checkpointing,loss_kernel,...}  engine.{nccl_ub,...}
   train.{steps,micro_batch_size,grad_accum_steps,seq_len,compile,profile,...}  optim.*  checkpoint.*
-  run.{name,dir}  launcher.{nproc_per_node (N|auto),nnodes,node_rank,rdzv_endpoint,dry_run}
+  run.{name,dir (a directory, or s3://BUCKET/PATH)}  launcher.{nproc_per_node (N|auto),nnodes,dry_run,...}
 options:
-  --cfg             print the composed config (every key and its value) and exit
+  --cfg             print the composed config (every key and its value, and what the planner
+                    resolves: dp_shard, the model's dims, ...) and exit
   --config-dir DIR  also look for config groups and recipes in DIR (DIR/recipe/NAME.yaml is
                     +recipe=NAME); same as hydra.searchpath=[file://DIR]
   --version         print the version and exit
-run.dir holds logs/ (the launcher's log, each rank's stdout/stderr), run.lock while a run owns
-it, config.yaml, metrics.jsonl and checkpoints/. Ctrl-C or SIGTERM: finish the step, save, stop.
+  --shell-completion install=bash
+                    print the bash completion of groups, recipes and keys: eval "$(mfsdp-train
+                    --shell-completion install=bash)" (also zsh, fish; uninstall=bash)
+{recipes}run.dir holds logs/ (the launcher's log, each rank's stdout/stderr), run.lock while a run owns
+it, config.yaml, metrics.jsonl and checkpoints/. Ctrl-C, SIGTERM or a closed terminal: finish
+the step, save, stop. Ctrl-Z pauses the ranks too (fg resumes).
 """
 
 def help_text() -> str:
@@ -48,9 +55,13 @@ def help_text() -> str:
     from ..core.schema import Dataset
     from ..engines import ENGINES
     from ..models import names
+    from ..planner.compose import available_options
+    from ..planner.recipes import recipes_help
 
     return (HELP.replace("{engines}", "|".join(ENGINES)).replace("{models}", "|".join(names()))
-            .replace("{datasets}", "|".join(d.value for d in Dataset)))
+            .replace("{datasets}", "|".join(d.value for d in Dataset))
+            .replace("{launchers}", "|".join(available_options("launcher")))
+            .replace("{recipes}", recipes_help()))
 
 
 USAGE_HINT = """\
@@ -60,7 +71,8 @@ mfsdp-train: nothing to train: give a recipe or overrides, e.g.
   mfsdp-train --help                                   every option and the exit codes
 """
 
-FLAGS = ("-h", "--help", "--version", "--cfg", "-c", "--config-dir", "-cd", "-m", "--multirun")
+FLAGS = ("-h", "--help", "--version", "--cfg", "-c", "--config-dir", "-cd", "-m", "--multirun", "--shell-completion",
+         "-sc")
 
 
 def in_worker_env() -> bool:
@@ -80,18 +92,43 @@ def version() -> str:
 # --- the command line before Hydra sees it --------------------------------------------------------
 
 
-def quote_home(arg: str) -> str:
-    """`key=~/x` -> `key='~/x'`: Hydra's override grammar has no bare `~` in a value."""
-    m = re.match(r"^([+~]{0,2}[\w./@-]+)=(~.*)$", arg)
-    if not m or any(c in m.group(2) for c in "'\"[]{},"):
+# What Hydra's override grammar takes in an unquoted value (OverrideLexer.g4): ASCII letters and
+# digits, `_-/\\+.$%*@?|:`, whitespace, and the characters of its own syntax.
+_UNQUOTED_OK = re.compile(r"^[A-Za-z0-9_\-/\\+.$%*@?|: \t]*$")
+_SYNTAX = "[]{}(),'\""  # lists, dicts, sweeps, functions, quotes: the user's own structure
+_PATH_KEY = re.compile(r"(^|\.)(dir|path|paths|tokenizer|cache_dir|pretrained|init_from|load_path)$")
+
+
+def hydra_quote(value: str) -> str:
+    """`value` as a single-quoted Hydra string: a quote and the backslashes before one escaped."""
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    body = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body)
+    return f"'{body}'"
+
+
+def quote_value(arg: str, sweep: bool = False) -> str:
+    """`key=VALUE` with VALUE single-quoted when Hydra's grammar cannot read it bare: a `~`, a
+    non-ASCII character, `=`, `#`, `&`, ... (a path like `runs/ünï x`); for path keys (run.dir,
+    data.path, ...) also quotes, parentheses and, outside a sweep (`sweep`: -m), commas. A value
+    that uses the grammar's own structure (a list, a dict, a sweep's commas, a quoted string) is
+    left alone."""
+    m = re.match(r"^([+~]{0,2}[\w./@-]+)=(.*)$", arg, re.S)
+    if not m or not m.group(2):
         return arg
-    return f"{m.group(1)}='{m.group(2)}'"
+    key, value = m.group(1), m.group(2)
+    if _UNQUOTED_OK.match(value) and not value.startswith("~"):
+        return arg
+    syntax = ("[]{}," if sweep else "[]{}") if _PATH_KEY.search(key.lstrip("+~")) else _SYNTAX
+    if value[0] in "'\"" or any(c in value for c in syntax):
+        return arg
+    return f"{key}={hydra_quote(value)}"
 
 
 def take_options(argv: List[str]) -> Tuple[List[str], dict]:
     """Split our options (--cfg [job], --config-dir DIR) from the overrides; ConfigError for an
     unknown --option."""
     overrides, opts, config_dirs = [], {"cfg": False}, []
+    sweep = any(a in ("-m", "--multirun") for a in argv)
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -109,8 +146,12 @@ def take_options(argv: List[str]) -> Tuple[List[str], dict]:
             raise ConfigError(a, "unknown option", "|".join(f for f in FLAGS if f.startswith("--")) +
                               " and key=value overrides")
         else:
-            overrides.append(quote_home(a))
+            overrides.append(quote_value(a, sweep))
         i += 1
+    if any(re.match(r"^[+~]{0,2}recipe=?$", o) for o in overrides):  # `+recipe=`: which are there?
+        from ..planner.recipes import recipes
+
+        raise ConfigError("+recipe", "names no recipe", "|".join(recipes(config_dirs)))
     if config_dirs:
         overrides = add_search_path(overrides, config_dirs)
     return overrides, opts
@@ -146,6 +187,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "--version" in argv:
         print(version())
         return exit_codes.OK
+    if any(a in ("--shell-completion", "-sc") or a.startswith("--shell-completion=") for a in argv):
+        from .completion import completion_args, shell_completion
+
+        try:
+            shell_completion(completion_args(argv))
+        except ConfigError as exc:
+            eprint(f"mfsdp-train: error: {exc}")
+            return exit_codes.CONFIG
+        return exit_codes.OK
     if not argv:
         eprint(USAGE_HINT.rstrip("\n"))
         return exit_codes.CONFIG
@@ -163,14 +213,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             return exit_codes.CONFIG
 
         return run_sweep(overrides)
+    cfg = None
     try:
         from ..planner.compose import compose
 
         cfg = compose(overrides)
         if opts["cfg"]:
-            from omegaconf import OmegaConf
+            from ..planner.show_config import annotated_yaml
 
-            print(OmegaConf.to_yaml(cfg), end="")  # as Hydra's --cfg: show it, run nothing
+            print(annotated_yaml(cfg), end="")  # as Hydra's --cfg (run nothing), with what resolves
             return exit_codes.OK
         if in_worker_env():
             from ..rank.worker import run_as_external_worker
@@ -180,3 +231,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         eprint(f"mfsdp-train: error: {explain(exc)}")
         return exit_codes.CONFIG
+    except OSError as exc:
+        if exc.errno not in DISK_FULL:
+            raise
+        # config.yaml, run.lock, the launcher's log: the run dir's disk took no more.
+        where = exc.filename or (cfg.run.dir if cfg is not None else "run.dir")
+        eprint(f"mfsdp-train: error: run.dir: cannot write {where}: {exc.strerror} "
+               f"({DISK_FULL[exc.errno]}; allowed: free space there, or another run.dir)")
+        return exit_codes.CONFIG
+
+
+DISK_FULL = {errno.ENOSPC: "its disk is full", errno.EDQUOT: "the disk quota is used up",
+             errno.EFBIG: "a file-size limit (ulimit -f) is reached"}

@@ -15,10 +15,11 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from ..core import exit_codes, rundir
+from ..core import exit_codes, rundir, storage
 from ..core.rank_env import diagnostics_env, package_root, rank_module
 from ..core.console import eprint
 from ..core.errors import ConfigError
+from ..core.schema import KUBERNETES_KINDS, SCHEDULED_KINDS, LauncherKind
 
 
 
@@ -39,14 +40,36 @@ def check(cfg) -> Checked:
     dims = resolve(cfg)
 
     # A dry run is prepared on a machine that need not run it, and it resumes nothing.
-    if cfg.launcher.dry_run:
+    if storage.is_remote(cfg.run.dir):  # an object store: this machine's side is run.local_dir
+        cfg.run.dir = storage.check_url(str(cfg.run.dir))
+        local = cfg.run.local_dir or storage.default_local_dir(cfg.run.dir)
+        cfg.run.local_dir = local if cfg.launcher.dry_run else str(check_run_dir(local))
+    elif cfg.launcher.dry_run:
         check_run_dir_text(cfg.run.dir)
     else:
         cfg.run.dir = str(check_run_dir(cfg.run.dir))
     warnings = validate(cfg, dims, check_hardware=not cfg.launcher.dry_run)
+    _check_data_bytes(cfg)
     if not cfg.launcher.dry_run:
         _preflight(cfg)
     return Checked(dims, warnings)
+
+
+def _check_data_bytes(cfg) -> None:
+    """Prepared shards against their manifests (sizes, sampled checksums): a damaged file is one
+    line before spawning (data/check.py)."""
+    from ..data import check_data_integrity
+
+    check_data_integrity(cfg.data)
+
+
+def _ready_text_cache(cfg) -> None:
+    """data=text: build the token cache once here, or rebuild a damaged one (text.py verifies it),
+    before the ranks open it."""
+    if str(cfg.data.name) == "text":
+        from ..data import build_token_cache
+
+        build_token_cache(cfg.data)
 
 
 def check_run_dir_text(value) -> None:
@@ -77,13 +100,22 @@ def prepare_run_dir(cfg, overrides: List[str]) -> Path:
     from ..planner.compose import save_frozen
 
     from ..checkpoint import clean_stale
+    from ..checkpoint.aside import before_start
 
-    run_dir = Path(cfg.run.dir).expanduser().resolve()
+    run_dir = storage.path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)
+    local = storage.local_run_dir(cfg.run)  # run_dir, or this machine's side of an object store
     # Stale saves first: on a disk a crashed save filled, they hold the space config.yaml needs.
     clean_stale(run_dir)
-    path = save_frozen(cfg, run_dir, overrides)
-    (run_dir / rundir.STOP).unlink(missing_ok=True)
+    # An earlier run's files this run would replace go to run.dir/previous/<n>/, never away.
+    moved = before_start(cfg.checkpoint, run_dir)
+    if moved:
+        print(f"mfsdp-train: {moved}", flush=True)
+    path = save_frozen(cfg, local, overrides)  # the ranks read it here
+    if local != run_dir:  # and a copy in the store: the run's record, beside its checkpoints
+        for name in (rundir.CONFIG, rundir.OVERRIDES):
+            storage.copy_file(local / name, run_dir / name)
+    (local / rundir.STOP).unlink(missing_ok=True)
     return path
 
 
@@ -148,21 +180,35 @@ def worker_env(launcher_cfg, run_dir: Optional[Path] = None) -> dict:
 
 
 def launch(cfg, overrides: List[str]) -> int:
-    from .runlock import RunLock
-
-    run_dir = Path(cfg.run.dir).expanduser().resolve()
-    with RunLock(run_dir, node_rank=cfg.launcher.node_rank, command=_command_line()) as lock:
-        if cfg.launcher.kind != "slurm":
+    with _run_lock(cfg) as lock:
+        if cfg.launcher.kind not in SCHEDULED_KINDS:
             done = already_finished(cfg)
             if done:
                 print(done, flush=True)
                 return exit_codes.OK
+            _ready_text_cache(cfg)
         config_path = prepare_run_dir(cfg, overrides)
-        if cfg.launcher.kind == "slurm":
+        if cfg.launcher.kind == LauncherKind.slurm:
             from .slurm import write_and_maybe_submit
 
             return write_and_maybe_submit(cfg, config_path)
+        if cfg.launcher.kind in KUBERNETES_KINDS:
+            from .kubernetes import write_and_maybe_submit as write_manifest
+
+            return write_manifest(cfg, config_path)
         return _run_torchrun(cfg, config_path, lock)
+
+
+def _run_lock(cfg):
+    """The run dir's lock: a flock on run.lock, or a lease object in an object store (lease.py)."""
+    if storage.is_remote(cfg.run.dir):
+        from .lease import ObjectLease
+
+        return ObjectLease(cfg.run.dir, node_rank=cfg.launcher.node_rank, command=_command_line())
+    from .runlock import RunLock
+
+    return RunLock(Path(cfg.run.dir).expanduser().resolve(), node_rank=cfg.launcher.node_rank,
+                   command=_command_line())
 
 
 def _command_line() -> str:
@@ -170,31 +216,54 @@ def _command_line() -> str:
 
 
 def _run_torchrun(cfg, config_path: Path, lock) -> int:
-    from .runstate import ending, summary_line
+    from .runstate import ending, read_metrics, rows_of_this_run, summary_line
+    from .progress import ProgressBar, wanted as progress_wanted
     from .supervise import Console, RankLogLinks, Supervisor, torchrun_env
 
     run_dir, lc = config_path.parent, cfg.launcher
     console = Console(launcher_log(run_dir, lc.node_rank))
+    supervisor = None
     try:
         cmd = torchrun_command(lc, config_path)
-        console.out(f"mfsdp-train: {lc.nnodes}x{lc.nproc_per_node} ranks, run.dir={run_dir}")
+        links = RankLogLinks(run_dir / rundir.LOGS, torchrun_log_dir(run_dir, lc.node_rank), lc.node_rank,
+                             lc.nproc_per_node)
+        # (rank 0's progress: on the first node; another node's console shows its ranks' lines)
+        bar = ProgressBar(run_dir, cfg.train.steps, enabled=progress_wanted(cfg.train) and lc.node_rank == 0)
+        # Listening for Ctrl-C, SIGTERM, SIGHUP and Ctrl-Z from here on (before the `NxM ranks` line).
+        supervisor = Supervisor(cmd, torchrun_env(worker_env(lc, run_dir)), run_dir, console,
+                                pass_fds=(lock.fd,) if lock.fd is not None else (), rank_logs=links, progress=bar)
+        console.out(f"mfsdp-train: {lc.nnodes}x{lc.nproc_per_node} ranks, run.dir={cfg.run.dir}")
         with open(run_dir / rundir.LAUNCH_CMD, "w") as f:
             f.write(shlex.join(cmd) + "\n")
         console.log_only(f"mfsdp-train: {_command_line()}\ntorchrun: {shlex.join(cmd)}\n")
-        links = RankLogLinks(run_dir / rundir.LOGS, torchrun_log_dir(run_dir, lc.node_rank), lc.node_rank,
-                             lc.nproc_per_node)
+        after = _resumes_from(cfg)
+        before = rows_of_this_run(read_metrics(cfg.run.dir), after)  # an earlier attempt's rows past it
         t0 = time.monotonic()
-        result = Supervisor(cmd, torchrun_env(worker_env(lc, run_dir)), run_dir, console,
-                            pass_fds=(lock.fd,) if lock.fd is not None else (), rank_logs=links).run()
+        result = supervisor.run()
         wall = time.monotonic() - t0
         root = result.root
-        end = ending(run_dir, cfg.train.steps, result.rc, stop_requested=result.stop_requested,
-                     aborted=result.aborted, rank_exit_code=root.exit_code if root else None)
+        end = ending(cfg.run.dir, cfg.train.steps, result.rc, stop_requested=result.stop_requested,
+                     aborted=result.aborted, rank_exit_code=root.exit_code if root else None, after=after,
+                     before=before)
         line = summary_line(end, cfg.train.steps, wall, run_dir, why=_why(end.code, result))
         (console.out if end.code == exit_codes.OK else console.err)(line)
         return end.code
     finally:
+        if supervisor is not None:
+            supervisor.restore_signals()
         console.close()
+
+
+def _resumes_from(cfg) -> int:
+    """The step this launch's ranks continue from (0: a fresh start): its summary shows only the
+    rows past it."""
+    from ..checkpoint import checkpoints_dir, plan_resume
+
+    try:
+        plan = plan_resume(cfg.checkpoint, checkpoints_dir(cfg.run.dir))
+    except ConfigError:
+        return 0
+    return int(plan.step) if plan.kind == "resume" and plan.step is not None else 0
 
 
 def _why(code: int, result) -> Optional[str]:

@@ -20,9 +20,12 @@ from ..core import exit_codes, rundir
 
 
 def read_metrics(run_dir: Path) -> List[dict]:
+    """The metrics rows of a run dir (a directory, or an object store's URL)."""
+    from ..core import storage
+
     rows = []
     try:
-        text = (Path(run_dir) / rundir.METRICS).read_text()
+        text = (storage.path(run_dir) / rundir.METRICS).read_text()
     except OSError:
         return rows
     for line in text.splitlines():
@@ -35,8 +38,13 @@ def read_metrics(run_dir: Path) -> List[dict]:
     return rows
 
 
+def training_rows(rows: List[dict]) -> List[dict]:
+    """The rows the training wrote: without the eval/* rows mfsdp-eval appends."""
+    return [r for r in rows if not any(k.startswith(rundir.EVAL_PREFIX) for k in r)]
+
+
 def last_metrics(run_dir: Path) -> Optional[dict]:
-    rows = read_metrics(run_dir)
+    rows = training_rows(read_metrics(run_dir))
     return rows[-1] if rows else None
 
 
@@ -71,22 +79,36 @@ class Ending:
     checkpoint: Optional[str]  # the newest committed checkpoint's directory name
     loss: Optional[float] = None
     val_loss: Optional[float] = None
+    tokens: Optional[int] = None  # tokens trained on, all steps of the run (its last row's tokens_seen)
+    epochs: Optional[float] = None  # passes over the training data that makes (the last row's epochs)
 
 
 def _number(v) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def rows_of_this_run(rows: List[dict], after: Optional[int], before: Optional[List[dict]] = None) -> List[dict]:
+    """The metrics rows a launch wrote: those past `after`, the step it resumed from (None: every
+    row), unless they are exactly `before`, the rows past it when it started (its ranks never got
+    to drop them: an earlier attempt's)."""
+    if after is None:
+        return rows
+    mine = [r for r in rows if r["step"] > after]
+    return [] if before is not None and mine == before else mine
+
+
 def ending(run_dir: Path, train_steps: int, rc: int, *, stop_requested: bool = False, aborted: bool = False,
-           rank_exit_code: Optional[int] = None) -> Ending:
+           rank_exit_code: Optional[int] = None, after: Optional[int] = None,
+           before: Optional[List[dict]] = None) -> Ending:
     """The exit code for a launch whose torchrun exited `rc`, judged by what it left on disk.
 
     A rank returns 0 both at train.steps and after a graceful stop (which always saves), so a
     clean torchrun exit short of train.steps is an interruption. A stop request whose checkpoint
     was committed at the last logged step is an interruption even when torchrun itself did not
-    exit 0 (it was signalled too).
+    exit 0 (it was signalled too). `after`, `before`: see rows_of_this_run; the loss and val loss
+    shown are this launch's, never another run's.
     """
-    rows = read_metrics(run_dir)
+    rows = training_rows(rows_of_this_run(read_metrics(run_dir), after, before))
     last = rows[-1] if rows else {}
     found = newest_checkpoint(run_dir)
     ck_step = found.step if found is not None else None
@@ -95,15 +117,16 @@ def ending(run_dir: Path, train_steps: int, rc: int, *, stop_requested: bool = F
         code = exit_codes.ABORTED
     elif rc == 0:
         code = exit_codes.OK if step is not None and step >= train_steps else exit_codes.INTERRUPTED
-    elif rank_exit_code == exit_codes.CONFIG:
-        code = exit_codes.CONFIG
+    elif rank_exit_code in (exit_codes.CONFIG, exit_codes.DIVERGED):
+        code = rank_exit_code
     elif stop_requested and ck_step is not None and ck_step >= (last.get("step") or 0):
         code = exit_codes.INTERRUPTED
     else:
         code = exit_codes.FAILED
     val = next((_number(r.get("val_loss")) for r in reversed(rows) if _number(r.get("val_loss")) is not None),
                None)
-    return Ending(code, step, found.name if found is not None else None, _number(last.get("loss")), val)
+    return Ending(code, step, found.name if found is not None else None, _number(last.get("loss")), val,
+                  tokens=last.get("tokens_seen"), epochs=_number(last.get("epochs")))
 
 
 def _duration(seconds: float) -> str:
@@ -115,6 +138,14 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def _count(n: int) -> str:
+    """12,345 -> 12.3k; 1.5e9 -> 1.50B."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def _loss(v: Optional[float]) -> str:
     return "nan" if v is not None and math.isnan(v) else f"{v:.4f}"
 
@@ -122,7 +153,8 @@ def _loss(v: Optional[float]) -> str:
 def summary_line(end: Ending, train_steps: int, wall_s: float, run_dir: Path, why: Optional[str] = None) -> str:
     """`mfsdp-train: finished step 40/40 in 12.3 s: loss 2.7512, checkpoint step_40; logs in ...`"""
     head = {exit_codes.OK: "finished", exit_codes.INTERRUPTED: "interrupted",
-            exit_codes.ABORTED: "aborted", exit_codes.CONFIG: "refused", exit_codes.FAILED: "failed"}[end.code]
+            exit_codes.ABORTED: "aborted", exit_codes.CONFIG: "refused", exit_codes.FAILED: "failed",
+            exit_codes.DIVERGED: "diverged"}[end.code]
     step = "no step" if end.step is None else f"step {end.step}/{train_steps}"
     parts = [f"{head} at {step} after {_duration(wall_s)}" if end.code else f"finished {step} in {_duration(wall_s)}"]
     if why:
@@ -131,6 +163,9 @@ def summary_line(end: Ending, train_steps: int, wall_s: float, run_dir: Path, wh
     if end.loss is not None:
         val = f" (val {_loss(end.val_loss)})" if end.val_loss is not None else ""
         details.append(f"loss {_loss(end.loss)}{val}")
+    if isinstance(end.tokens, int) and end.tokens > 0:
+        epochs = f" ({end.epochs:.3g} epochs of the data)" if end.epochs is not None else ""
+        details.append(f"{_count(end.tokens)} tokens{epochs}")
     details.append(f"last checkpoint {end.checkpoint}" if end.checkpoint else "no checkpoint")
     tail = f"; exit code {end.code}"
     if end.code in (exit_codes.INTERRUPTED, exit_codes.ABORTED):

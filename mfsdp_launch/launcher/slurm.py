@@ -19,8 +19,8 @@ from typing import List, Optional
 from ..core.atomic_io import atomic_write_text
 from ..core import exit_codes, rundir
 from ..core.console import eprint
-from ..core.rank_env import DEFAULT_RDZV_PORT_BASE, diagnostics_env, package_root, rank_module
-from .supervise import PREFIX_TEMPLATE
+from ..core.rank_env import DEFAULT_RDZV_PORT_BASE, package_root
+from . import jobscript
 
 def gpus_per_node(cfg) -> Optional[int]:
     """launcher.gpus_per_node, else one GPU per process unless the job is CPU-only (gloo)."""
@@ -84,46 +84,12 @@ def _directives(cfg, run_dir: Path) -> List[str]:
 
 
 def _environment(cfg, run_dir: Path) -> List[str]:
-
-    q = shlex.quote
-    nproc = cfg.launcher.nproc_per_node
-    lines = [
-        f'export PYTHONPATH={q(package_root())}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-        "export MFSDP_LAUNCHER=1",
-        "export PYTHONUNBUFFERED=1",
-        f"RUN_DIR={q(str(run_dir))}",
-        "# The node's CPUs shared out among its ranks (torchrun would pin 1 thread each).",
-        f'THREADS=$(( ${{SLURM_CPUS_ON_NODE:-$(nproc)}} / {nproc} )); [ "$THREADS" -ge 1 ] || THREADS=1',
-        'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$THREADS}"',
-        f"export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(PREFIX_TEMPLATE)}",
-        "# Flight recorder on: the last collectives of each rank, dumped into $RUN_DIR/logs on a stall.",
-    ]
-    for key, value in diagnostics_env(run_dir, environ={}).items():
-        if value.startswith(str(run_dir)):
-            value = "$RUN_DIR" + value[len(str(run_dir)):]  # no quoting trouble with odd paths
-        lines.append(f'export {key}="{value}"' if key == "MFSDP_RUN_DIR" else f'export {key}="${{{key}:-{value}}}"')
-    return lines
+    return jobscript.environment(str(run_dir), cfg.launcher.nproc_per_node, "${SLURM_CPUS_ON_NODE:-$(nproc)}",
+                                 pythonpath=package_root())
 
 
 def _lock(run_dir: Path) -> List[str]:
-    """The job owns run.dir while it runs, as `mfsdp-train` does (runlock): flock on run.lock."""
-    busy = 75
-    return [
-        "# One owner per run dir: hold run.lock (flock) while the job runs.",
-        "if command -v flock >/dev/null; then",
-        f'  exec 9>>"$RUN_DIR/{rundir.LOCK}"',
-        f"  flock -n -E {busy} 9; LOCK_RC=$?",
-        f'  if [ "$LOCK_RC" -eq {busy} ]; then',
-        f'    echo "mfsdp-train: error: run.dir: $RUN_DIR is in use by $(cat "$RUN_DIR/{rundir.LOCK}") '
-        f'(allowed: wait for that run to end, or another run.dir)" >&2',
-        f"    exit {exit_codes.CONFIG}",
-        '  elif [ "$LOCK_RC" -eq 0 ]; then',
-        f'    printf \'{{"host": "%s", "pid": %d, "command": "sbatch job %s"}}\\n\' "$(hostname)" $$ '
-        f'"${{SLURM_JOB_ID:-}}" > "$RUN_DIR/{rundir.LOCK}"',
-        f'    trap \'rm -f "$RUN_DIR/{rundir.LOCK}"\' EXIT',
-        "  fi",
-        "fi",
-    ]
+    return jobscript.lock("sbatch job ${SLURM_JOB_ID:-}")
 
 
 def _run(cfg, config_path: Path) -> List[str]:
@@ -141,38 +107,20 @@ def _run(cfg, config_path: Path) -> List[str]:
             f'RDZV_PORT=$(( {DEFAULT_RDZV_PORT_BASE} + SLURM_JOB_ID % 20000 ))',
         ]
     rdzv_id = lc.rdzv_id or "$SLURM_JOB_ID"
-    torchrun = [
-        f"{q(sys.executable)} -m torch.distributed.run",
-        '--nnodes="$SLURM_NNODES"',
-        f"--nproc-per-node={lc.nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f'--rdzv-id="{rdzv_id}"' if rdzv_id == "$SLURM_JOB_ID" else f"--rdzv-id={q(rdzv_id)}",
-        '--log-dir="$RUN_DIR/logs" --tee=3',
-        f"--max-restarts={lc.max_restarts}",
-        f"-m {rank_module()} --config {config}",
-    ]
+    rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                  f'--rdzv-id="{rdzv_id}"' if rdzv_id == "$SLURM_JOB_ID" else f"--rdzv-id={q(rdzv_id)}"]
+    torchrun = jobscript.node_torchrun(lc, python=q(sys.executable), nnodes='"$SLURM_NNODES"',
+                                       rendezvous=rendezvous, config=config)
     return [
         *endpoint_lines,
-        "STOP_SIGNAL=",
-        f'stop_request() {{ STOP_SIGNAL=$1; TRAPPED=1; touch "$RUN_DIR/{rundir.STOP}"; '
-        'echo "mfsdp-train: SIG$1: the ranks finish their step, save a checkpoint and stop" >&2; }',
-        "trap 'stop_request USR1' USR1",
-        "trap 'stop_request TERM' TERM",
+        *jobscript.stop_traps(["USR1", "TERM"]),
         f'rm -f "$RUN_DIR/{rundir.STOP}"',
         "START=$SECONDS",
         "# One torchrun per node (one task per node); torchrun starts the ranks of its node. In the",
         "# background, so that the signal traps run while it trains.",
         "srun --kill-on-bad-exit=1 \\",
         "  " + " \\\n  ".join(torchrun) + " &",
-        "SRUN_PID=$!",
-        "while :; do  # a trapped signal interrupts `wait`: wait again for srun's own exit code",
-        '  TRAPPED=0; wait "$SRUN_PID"; RC=$?',
-        '  [ "$TRAPPED" = 1 ] && [ "$RC" -gt 128 ] || break',
-        "done",
-        f'{q(sys.executable)} -m mfsdp_launch.launcher.runstate {config} "$RC" ${{STOP_SIGNAL:+--stop-requested}} '
-        '--wall-s "$((SECONDS - START))"',
-        "CODE=$?",
+        *jobscript.wait_and_judge(q(sys.executable), "SRUN_PID", config),
         f'if [ "$CODE" -eq {exit_codes.INTERRUPTED} ] && [ "$STOP_SIGNAL" = USR1 ]; then',
         '  echo "mfsdp-train: requeueing SLURM job $SLURM_JOB_ID: it resumes from the checkpoint" >&2',
         '  scontrol requeue "$SLURM_JOB_ID"',

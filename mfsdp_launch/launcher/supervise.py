@@ -5,9 +5,15 @@
   the ranks die with torchrun (`stopping.install_process_guards` sets theirs).
 * SIGINT, SIGTERM and SIGHUP to the launcher ask for a graceful stop (the STOP file: every rank
   finishes its step, saves a checkpoint and exits); a second one aborts (SIGKILL to torchrun and
-  the ranks). torchrun itself ignores SIGTERM, so a SIGTERM sent to every process at once (SLURM
-  preemption, scancel) lets the ranks finish their graceful stop instead of torchrun tearing them
-  down with a traceback.
+  the ranks). The launcher listens from before its `NxM ranks` line: a terminal closed at start-up
+  (SIGHUP) is a graceful stop too, and a stop asked before torchrun started starts nothing. Once
+  the terminal is gone, the launcher's output goes to /dev/null (the log keeps it all), so it
+  still ends with its own exit code. torchrun itself ignores SIGTERM, so a SIGTERM sent to every
+  process at once (SLURM preemption, scancel) lets the ranks finish their graceful stop instead of
+  torchrun tearing them down with a traceback.
+* Ctrl-Z (SIGTSTP) pauses the job, not only the launcher: torchrun and the ranks get SIGSTOP,
+  then the launcher stops itself; `fg` (SIGCONT) resumes them all. A pause longer than the
+  collectives' timeout (30 min) can end the run when it resumes.
 * Output: each rank's stdout/stderr go to files under run.dir/logs (torchrun's --log-dir/--tee)
   and to the console without torchrun's prefix. torchrun's own lines (its ChildFailedError block)
   go to the launcher's log only. A failing rank's traceback is held back and shown once, for the
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, TextIO
 
 from ..core import rundir
+from ..core.console import detach_dead_terminal
 from ..core.process import libc, set_parent_death_signal
 from ..rank.oom import LINE_RE as OOM_LINE
 
@@ -78,6 +85,13 @@ def descendants(pid: int) -> List[int]:
     return out
 
 
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and every descendant (the ranks are in sessions of their own)."""
     for p in [pid, *descendants(pid)]:
@@ -102,13 +116,15 @@ class Console:
 
     def write(self, text: str, stream: TextIO, to_log: bool = True) -> None:
         with self.lock:
-            if to_log and self.log is not None:
-                self.log.write(text)
+            if to_log:
+                self.log_only(text)
             try:
                 stream.write(text)
                 stream.flush()
             except (OSError, ValueError):
-                pass  # the terminal went away (SIGHUP): the log still gets everything
+                # The terminal went away (SIGHUP) or the reader of a pipe left: the log still gets
+                # everything, and what is buffered for the terminal goes to /dev/null.
+                detach_dead_terminal()
 
     def out(self, line: str) -> None:
         self.write(line + "\n", sys.stdout)
@@ -119,7 +135,10 @@ class Console:
     def log_only(self, text: str) -> None:
         with self.lock:
             if self.log is not None:
-                self.log.write(text)
+                try:
+                    self.log.write(text)
+                except OSError:  # its disk is full: the console still shows everything
+                    self.log = None
 
     def close(self) -> None:
         if self.log is not None:
@@ -167,8 +186,8 @@ class OutputRouter:
         self.root_oom = False  # the block shown was an out-of-GPU-memory line
 
     def start(self, proc: subprocess.Popen) -> None:
-        for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=self._pump, args=(pipe, stream), daemon=True)
+        for pipe, err in ((proc.stdout, False), (proc.stderr, True)):
+            t = threading.Thread(target=self._pump, args=(pipe, err), daemon=True)
             t.start()
             self.threads.append(t)
 
@@ -177,7 +196,7 @@ class OutputRouter:
         for t in self.threads:
             t.join(max(0.0, end - time.monotonic()))
 
-    def _pump(self, pipe, stream: TextIO) -> None:
+    def _pump(self, pipe, err: bool) -> None:
         for raw in iter(pipe.readline, b""):
             line = raw.decode(errors="replace")
             if not line.endswith("\n"):
@@ -189,11 +208,13 @@ class OutputRouter:
                 self.console.log_only(line)
                 continue
             self.console.log_only(line)
-            self._rank_line(int(m.group(1)), line[m.end():], stream)
+            self._rank_line(int(m.group(1)), line[m.end():], err)
         pipe.close()
 
-    def _rank_line(self, rank: int, text: str, stream: TextIO) -> None:
-        if stream is sys.stderr:
+    def _rank_line(self, rank: int, text: str, err: bool) -> None:
+        # The stream is looked up at each line: while the progress bar shows, sys.stdout/stderr
+        # print above it.
+        if err:
             with self.lock:
                 if rank in self.held:
                     self.held[rank].append(text)
@@ -201,7 +222,7 @@ class OutputRouter:
                 if _FAILURE_START.match(text) or OOM_LINE.match(text):
                     self.held[rank] = [text]
                     return
-        self.console.write(text, stream, to_log=False)
+        self.console.write(text, sys.stderr if err else sys.stdout, to_log=False)
 
     def first_failing_rank(self) -> Optional[int]:
         return next(iter(self.held), None)
@@ -252,13 +273,40 @@ class Supervised:
 
 
 class Supervisor:
+    """Created before the launcher's first line: it listens for the stop signals and Ctrl-Z from
+    then on, until `restore_signals()` (after the summary line); `run()` starts torchrun."""
+
     def __init__(self, cmd: List[str], env: dict, run_dir: Path, console: Console, *, pass_fds=(),
-                 rank_logs: Optional["RankLogLinks"] = None):
+                 rank_logs: Optional["RankLogLinks"] = None, progress=None):
         self.cmd, self.env, self.run_dir, self.console = cmd, env, Path(run_dir), console
         self.pass_fds = tuple(pass_fds)
         self.rank_logs = rank_logs
+        self.progress = progress  # launcher/progress.py's ProgressBar, or None
         self.proc: Optional[subprocess.Popen] = None
         self.result = Supervised(rc=-1)
+        self._old = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
+        self._old[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._on_pause)
+
+    def restore_signals(self) -> None:
+        """The handlers from before this supervisor (idempotent)."""
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def _on_pause(self, _signum, _frame) -> None:
+        """Ctrl-Z: SIGSTOP to torchrun and the ranks, then to the launcher; SIGCONT (fg, bg)
+        continues here and resumes them."""
+        job = [self.proc.pid, *descendants(self.proc.pid)] if self.proc is not None and self.proc.poll() is None \
+            else []
+        for pid in job:
+            _send(pid, signal.SIGSTOP)
+        self.console.err(f"mfsdp-train: paused (Ctrl-Z): torchrun and {len(job) - 1} rank process(es) stopped "
+                         "too; fg resumes them" if job else "mfsdp-train: paused (Ctrl-Z); fg resumes")
+        os.kill(os.getpid(), signal.SIGSTOP)  # (SIGTSTP's default could be ignored in an orphaned group)
+        for pid in reversed(job):
+            _send(pid, signal.SIGCONT)
+        if job:
+            self.console.log_only("mfsdp-train: resumed (SIGCONT)\n")
 
     def _on_signal(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
@@ -279,8 +327,12 @@ class Supervisor:
 
     def run(self) -> Supervised:
         router = OutputRouter(self.console)
-        old = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
         try:
+            if self.result.stop_requested:  # asked to stop before anything started: start nothing
+                self.result.rc = 0
+                return self.result
+            if self.progress is not None:
+                self.progress.start()  # before the pumps: the lines they print go above the bar
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, start_new_session=True, pass_fds=self.pass_fds,
                                          preexec_fn=_torchrun_preexec(os.getpid()))
@@ -289,11 +341,12 @@ class Supervisor:
         except BaseException:
             if self.proc is not None and self.proc.poll() is None:
                 kill_tree(self.proc.pid)  # the launcher itself failed: take the job down with it
+            if self.progress is not None:
+                self.progress.stop()
             raise
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
         router.join()
+        if self.progress is not None:
+            self.progress.stop()
         if self.rank_logs is not None:
             self.rank_logs.link()
         text = "".join(router.torchrun_lines)
@@ -317,6 +370,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 if self.rank_logs is not None:
                     self.rank_logs.link()
+                if self.progress is not None:
+                    self.progress.poll()
 
 
 class RankLogLinks:

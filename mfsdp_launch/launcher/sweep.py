@@ -35,6 +35,7 @@ from ..core.atomic_io import atomic_write_text
 from ..core.errors import ConfigError
 from ..core.names import exception_line
 from ..core import exit_codes, rundir
+from ..core.schema import SCHEDULED_KINDS
 from . import launch
 from ..core.console import eprint
 from .runstate import reached_step
@@ -265,7 +266,7 @@ def _run_job(job_cfg, overrides: List[str], jdir: Path, finish) -> dict:
     rc = launch.run_checked(job_cfg, checked, overrides)
     if dry:
         return finish("dry_run", exit_code=0)
-    if job_cfg.launcher.kind == "slurm":
+    if job_cfg.launcher.kind in SCHEDULED_KINDS:
         return finish(("submitted" if job_cfg.launcher.submit else "written") if rc == 0 else "failed",
                       exit_code=rc)
     step = reached_step(jdir)

@@ -163,6 +163,10 @@ class ModelFamily:
         """Fill the sharded, initialized model with weights from outside (pretrained / init_from),
         before the optimizer exists; a checkpoint resume overwrites them afterwards. A collective."""
 
+    def tokenizer_dir(self, m) -> Optional[str]:
+        """A directory holding the model's own tokenizer files (mfsdp-generate), if it has one."""
+        return None
+
 
 def resolve_unit_modules(names: Sequence[str]) -> tuple:
     """Dotted class names ("torch.nn.Linear", "transformer_engine.pytorch.TransformerLayer") ->

@@ -68,7 +68,7 @@ def compose(overrides: Iterable[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
     except Exception as exc:  # Hydra and OmegaConf raise many types; all mean bad input here.
-        raise config_error_from(exc) from None
+        raise config_error_from(exc, overrides) from None
     finally:
         GlobalHydra.instance().clear()
     return finalize(cfg)
@@ -145,7 +145,63 @@ def unknown_key_problem(key: str, section) -> str:
     return f"model={'|'.join(readers)} does not read it (a key of model={'|'.join(owners)})"
 
 
-def config_error_from(exc: BaseException) -> ConfigError:
+def _find_entry(obj, key: str, path: str) -> Optional[str]:
+    """The path (`data.sources[1]`) of the first list entry in `obj` that has `key`."""
+    if isinstance(obj, list):
+        for i, item in enumerate(obj):
+            if isinstance(item, dict) and key in item:
+                return f"{path}[{i}]"
+            found = _find_entry(item, key, f"{path}[{i}]")
+            if found:
+                return found
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            found = _find_entry(v, key, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    return None
+
+
+def _search_dirs(overrides: Iterable[str]) -> List[Path]:
+    dirs = [config_dir()]
+    for o in overrides:
+        m = re.match(r"^hydra\.searchpath=\[(.*)\]$", o)
+        if m:
+            dirs += [Path(e.strip()[len("file://"):]) for e in m.group(1).split(",") if e.strip().startswith("file://")]
+    return dirs
+
+
+def list_entry_key(key: str, text: str, overrides: Iterable[str]) -> Optional[str]:
+    """`data.sources[1].wieght` for an unknown key inside a list entry, which OmegaConf names by
+    its leaf alone: the entry is looked up in the overrides, then in the config file Hydra names."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = list(overrides)
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            override = parser.parse_override(o)
+            found = _find_entry(override.value(), key, override.key_or_group.lstrip("+~"))
+        except Exception:  # noqa: BLE001 - an override Hydra cannot read is reported on its own
+            continue
+        if found:
+            return f"{found}.{key}"
+    m = re.search(r"In '([\w/.-]+)'", text)
+    for folder in _search_dirs(overrides) if m else []:
+        path = folder / f"{m.group(1)}.yaml"
+        if not path.is_file():
+            continue
+        try:
+            data = OmegaConf.to_container(OmegaConf.load(path))
+        except Exception:  # noqa: BLE001
+            return None
+        package = "" if "@package _global_" in path.read_text() else m.group(1).split("/")[0]
+        found = _find_entry(data, key, package)
+        return f"{found}.{key}" if found else None
+    return None
+
+
+def config_error_from(exc: BaseException, overrides: Iterable[str] = ()) -> ConfigError:
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
     chain = []
@@ -161,6 +217,8 @@ def config_error_from(exc: BaseException) -> ConfigError:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             section = getattr(err, "object_type", None)
             allowed = _section_keys(section) or _schema_keys(parent)
+            if "." not in key and section is not None and section is not Config:
+                key = list_entry_key(key, str(exc), overrides) or key
             return ConfigError(key, unknown_key_problem(key, section), allowed or None)
         if isinstance(err, ValidationError) and getattr(err, "full_key", None):
             return ConfigError(err.full_key, first_line(getattr(err, "msg", str(err)), "invalid value"))
@@ -168,8 +226,9 @@ def config_error_from(exc: BaseException) -> ConfigError:
             return ConfigError(err.full_key, first_line(getattr(err, "msg", str(err)), "invalid value"))
 
     text = str(exc)
-    if "Error parsing override" in text:
-        return ConfigError("overrides", first_line(text, "invalid value"), "key=value, +key=value, group=option")
+    if re.search(r"Error parsing override|LexerNoViableAlt|mismatched input|no viable alternative", text):
+        return ConfigError("overrides", first_line(text, "invalid value"),
+                           "key=value, +key=value, group=option; quote a value with special characters: key='a,b'")
     missing = re.search(r"Could not find '([\w/.-]+)/([\w.-]+)'", text)
     if missing:
         group, option = missing.group(1), missing.group(2)

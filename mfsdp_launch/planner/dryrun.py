@@ -39,14 +39,16 @@ def render(cfg, warnings: List[str], console=None, dims: Optional[ParallelDims] 
         f"train: steps={t.steps} micro_batch={t.micro_batch_size} grad_accum={t.grad_accum_steps} "
         f"global_batch={global_batch} seq_len={t.seq_len} compile={t.compile} cuda_graph={t.cuda_graph}"
     )
+    console.print(save_schedule(cfg.checkpoint, t.steps, _resume_step(cfg)), markup=False)
 
     table = Table(title="ranks and the groups each belongs to", box=box.SIMPLE_HEAD)
     coords = ("rank", "node", "local_rank", "dp_outer", "dp_shard", "cp", "tp", "dp_rank")
-    group_dims = (dims.dp_shard_dim, "dp_outer", "dp", "hsdp", "tp")
+    # Every group a rank belongs to: the data-parallel ones, then context and tensor parallel.
+    group_dims = (dims.dp_shard_dim, "dp_outer", "dp", "hsdp", "cp", "tp")
     for col in coords:
         table.add_column(col, justify="right")
     for col in group_dims:
-        table.add_column(f"{col} group")
+        table.add_column(f"{col}\ngroup")  # two header lines: the table stays narrow
     for row in dims.rank_table(lc.nproc_per_node):
         g = dims.groups_of(row["rank"])
         table.add_row(*(str(row[c]) for c in coords), *(_short(g[k]) for k in group_dims))
@@ -67,6 +69,53 @@ def render(cfg, warnings: List[str], console=None, dims: Optional[ParallelDims] 
         console.print("warning: " + w, style="yellow", markup=False)
     if not warnings:
         console.print("no warnings")
+
+
+def save_schedule(ck, steps: int, start: int = 0) -> str:
+    """When the run saves: `checkpoints: every 100 steps or 30 min of training, and at the end;
+    next at step 100 (keep_last=3)`. `start`: the step it resumes from."""
+    when = []
+    if ck.interval:
+        when.append(f"every {ck.interval} steps")
+    if ck.interval_minutes:
+        when.append(f"{'' if when else 'every '}{ck.interval_minutes:g} min of training")
+    if not when:
+        if not ck.save_final:
+            return "checkpoints: none (checkpoint.interval=0, interval_minutes=null, save_final=false)"
+        return ("checkpoints: only at the end (step {}): a crash before it keeps nothing; set checkpoint.interval "
+                "or checkpoint.interval_minutes".format(steps))
+    line = "checkpoints: " + " or ".join(when) + (", and at the end" if ck.save_final else "")
+    nxt = (start // ck.interval + 1) * ck.interval if ck.interval else None
+    if start:
+        line += f"; resuming from step {start}"
+    if start >= steps:
+        return line + f", train.steps={steps}: nothing left to train"
+    if nxt is not None and nxt < steps:
+        line += f"; next at step {nxt}"
+        if ck.interval_minutes:
+            line += f" (or after {ck.interval_minutes:g} min, if sooner)"
+    elif ck.interval_minutes:
+        line += f"; next after {ck.interval_minutes:g} min of training"
+        if ck.save_final:
+            line += f" (or at the end, step {steps})"
+    elif ck.save_final:
+        line += f"; next at the end, step {steps}"
+    return line + f" (keep_last={ck.keep_last})"
+
+
+def _resume_step(cfg) -> int:
+    """The step a run would resume from, when its run dir is on this machine (0 otherwise)."""
+    from ..core.storage import is_remote
+
+    if is_remote(cfg.run.dir):  # an object store: a dry run does not go over the network
+        return 0
+    try:
+        from ..checkpoint import checkpoints_dir, plan_resume
+
+        plan = plan_resume(cfg.checkpoint, checkpoints_dir(cfg.run.dir))
+    except Exception:  # noqa: BLE001 - a dry run resumes nothing; a refusal is the real run's business
+        return 0
+    return int(plan.step) if plan.kind == "resume" and plan.step is not None else 0
 
 
 def _auto(lc) -> str:

@@ -35,7 +35,7 @@ def import_problem(module: str, probe: bool) -> str:
 
 
 def check_installs(cfg, probe: bool) -> None:
-    """The engine and Transformer Engine import, before any process is spawned."""
+    """The engine, Transformer Engine and TensorBoard import, before any process is spawned."""
     wanted = []
     if cfg.engine.name == "megatron_fsdp":
         wanted.append(("engine", "engine=megatron_fsdp", "megatron_fsdp", "pip install 'megatron-fsdp>=0.6.1'"))
@@ -47,6 +47,9 @@ def check_installs(cfg, probe: bool) -> None:
         if used:
             wanted.append((key, what, "transformer_engine.pytorch", "pip install 'mfsdp-launch[te]'"))
             break
+    if cfg.logging.tensorboard:  # (torch.utils.tensorboard imports it)
+        wanted.append(("logging.tensorboard", "logging.tensorboard=true", "tensorboard",
+                       "pip install tensorboard, or logging.tensorboard=false"))
     for key, what, module, fix in wanted:
         problem = import_problem(module, probe)
         if problem:
@@ -76,6 +79,18 @@ def uses_fused_loss(cfg) -> bool:
     """model.loss_kernel=te_fused (a Llama-family key): TE's Triton cross-entropy (TE, CUDA, no
     CUDA-graph capture)."""
     return cfg.model.get("loss_kernel") == LossKernel.te_fused
+
+
+def check_fused_optim(cfg) -> None:
+    """optim.impl=fused on a CPU run: torch's fused AdamW must step on the CPU (torch >= 2.4)."""
+    if cfg.optim.impl != OptimImpl.fused or (local_gpu_count() and cfg.engine.backend != Backend.gloo):
+        return
+    from ..components.optim import fused_adamw_problem
+
+    problem = fused_adamw_problem("cpu")
+    if problem:
+        raise ConfigError("optim.impl", f"fused: this torch has no fused AdamW on the CPU ({problem[:160]})",
+                          "torch|foreach")
 
 
 def check_gpus(cfg) -> None:

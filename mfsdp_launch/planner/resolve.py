@@ -9,7 +9,7 @@ from ..mesh import ParallelDims, world_size
 from ..models import family
 from ..core.dtypes import Dtype
 from ..core.fp8 import fixed_format
-from ..core.schema import LauncherKind
+from ..core.schema import SCHEDULED_KINDS, LauncherKind
 
 AUTO = "auto"
 NODES = "nodes"
@@ -45,10 +45,11 @@ def resolve_nproc(lc) -> bool:
             lc.nproc_per_node = int(value)
             return False
         raise ConfigError("launcher.nproc_per_node", f"{value!r} is not a process count", "a positive integer, or auto")
-    if lc.kind == LauncherKind.slurm:
+    if lc.kind in SCHEDULED_KINDS:
         if not lc.gpus_per_node:
-            raise ConfigError("launcher.nproc_per_node", "auto counts this machine's GPUs, but an sbatch "
-                              "script runs on other nodes", "a number, or auto with launcher.gpus_per_node=N")
+            what = "an sbatch script runs" if lc.kind == LauncherKind.slurm else "the pods run"
+            raise ConfigError("launcher.nproc_per_node", f"auto counts this machine's GPUs, but {what} "
+                              "on other nodes", "a number, or auto with launcher.gpus_per_node=N")
         lc.nproc_per_node = int(lc.gpus_per_node)
         lc.nproc_auto = f"launcher.gpus_per_node={lc.nproc_per_node}"
         return True

@@ -14,7 +14,9 @@ from ..core.dtypes import Dtype
 from ..core.errors import ConfigError
 from ..core.fp8 import FP8Recipe
 from ..core.globs import check_globs_match
-from ..core.schema import ACMode, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
+from ..core import k8s, storage
+from ..core.schema import KUBERNETES_KINDS, ACMode, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
+from ..core.schema import OptimConfig, OptimName, Schedule
 from ..core.sharding import ZeroStrategy, check_sharding, single_node_outer_warning
 from ..engines import ENGINES, EngineCaps, engine_caps
 from ..mesh import ParallelDims, world_size
@@ -30,6 +32,10 @@ def validate(cfg, dims: Optional[ParallelDims] = None, *, check_hardware: bool =
     warnings: List[str] = []
     caps = engine_caps(cfg.engine.name)
     _check_launcher(cfg.launcher)
+    if cfg.launcher.kind in KUBERNETES_KINDS:
+        k8s.check(cfg.launcher)
+        k8s.resource_name(cfg.run.name)
+    _check_run_location(cfg.run, cfg.launcher)
     dims = dims or ParallelDims.from_config(cfg.mesh, world_size(cfg.launcher))
     _check_mesh(cfg.mesh, dims, caps)
     warnings += _check_sharding(cfg, dims, caps)
@@ -38,10 +44,12 @@ def validate(cfg, dims: Optional[ParallelDims] = None, *, check_hardware: bool =
     warnings += _check_model(cfg, dims, caps)
     _check_data(cfg)
     warnings += _check_train(cfg, caps)
+    _check_optim(cfg.optim, dims, caps)
     _check_checkpoint(cfg.checkpoint)
     if check_hardware and cfg.launcher.kind == LauncherKind.torchrun:
         machine.check_installs(cfg, probe=True)
         machine.check_gpus(cfg)
+        machine.check_fused_optim(cfg)
         warnings += _check_memory(cfg, dims)
     else:
         # A dry run or an sbatch script is prepared on a machine that need not run it.
@@ -52,6 +60,19 @@ def validate(cfg, dims: Optional[ParallelDims] = None, *, check_hardware: bool =
     if cfg.launcher.nnodes > 1:
         warnings.extend(dims.cross_node_warnings(cfg.launcher.nproc_per_node))
     return warnings
+
+
+def _check_run_location(run, lc) -> None:
+    """run.dir: a directory or an object store (core/storage.py); run.local_dir goes with the latter."""
+    if not storage.is_remote(run.dir):
+        if run.local_dir is not None:
+            raise ConfigError("run.local_dir", f"is for an object-store run.dir; run.dir={run.dir} is a directory",
+                              "null, or run.dir=s3://BUCKET/PATH")
+        return
+    storage.check_url(str(run.dir))
+    if lc.kind != LauncherKind.torchrun:
+        raise ConfigError("run.dir", f"{run.dir}: an object-store run.dir runs under launcher=torchrun only (the "
+                          f"{lc.kind} job's nodes share a directory instead)", "a directory every node mounts")
 
 
 def _check_launcher(lc) -> None:
@@ -256,11 +277,15 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
     for key in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "log_interval"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    if t.straggler_ratio != 0 and not t.straggler_ratio > 1:
+        raise ConfigError("train.straggler_ratio", f"must be > 1, or 0 (off), got {t.straggler_ratio}",
+                          "e.g. 1.5, or 0")
     if t.stall_dump_s is not None and t.stall_dump_s <= 0:
         raise ConfigError("train.stall_dump_s", f"must be > 0, got {t.stall_dump_s}", "seconds, or null (off)")
     check_profile(t.profile, t.steps)
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise ConfigError("train.grad_clip", f"must be > 0, got {t.grad_clip}", "a positive number or null")
+    _check_bad_steps(t)
     if o.lr <= 0:
         raise ConfigError("optim.lr", f"must be > 0, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:
@@ -276,6 +301,45 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
         warnings.append("engine.nccl_ub: Megatron's NCCL allocator sets NCCL_NVLS_ENABLE=1 (NVLink multicast) in "
                         "every rank; on a host whose GPUs others share, keep it off")
     return warnings
+
+
+def _check_optim(o, dims: ParallelDims, caps: EngineCaps) -> None:
+    """optim.name and the schedule's keys; the LR, warm-up and impl rules are _check_train's."""
+    defaults = OptimConfig()
+    if o.decay_steps is not None and o.decay_steps < 1:
+        raise ConfigError("optim.decay_steps", f"must be >= 1, got {o.decay_steps}", "a step count, or null (train.steps)")
+    if not 0 < o.decay_fraction <= 1:
+        raise ConfigError("optim.decay_fraction", f"must be in (0, 1], got {o.decay_fraction}")
+    if o.schedule != Schedule.wsd and o.decay_fraction != defaults.decay_fraction:
+        raise ConfigError("optim.decay_fraction", f"is read by optim.schedule=wsd only, not {o.schedule}",
+                          f"optim.schedule=wsd, or {defaults.decay_fraction}")
+    if o.name != OptimName.muon:
+        if o.muon_momentum != defaults.muon_momentum:
+            raise ConfigError("optim.muon_momentum", f"is read by optim.name=muon only, not {o.name}",
+                              f"optim.name=muon, or {defaults.muon_momentum}")
+        return
+    if not 0 <= o.muon_momentum < 1:
+        raise ConfigError("optim.muon_momentum", f"must be in [0, 1), got {o.muon_momentum}")
+    if not caps.muon:
+        raise ConfigError("optim.name", f"muon is not wired for engine={caps.name}: its parameters are slices of "
+                          "flat buffers, and Newton-Schulz over them was never run here", "adamw, or engine=fsdp2")
+    if dims.tp > 1:
+        raise ConfigError("optim.name", f"muon with mesh.tp={dims.tp} is not tested here (2-D dp x tp shards)",
+                          "adamw, or mesh.tp=1")
+    if o.impl != OptimImpl.torch:
+        raise ConfigError("optim.impl", f"{o.impl} picks an AdamW kernel, but optim.name=muon runs its own update "
+                          "(its AdamW part included)", "torch")
+
+
+def _check_bad_steps(t) -> None:
+    for key in ("max_bad_steps", "max_rollbacks"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}", f"must be >= 0, got {getattr(t, key)}")
+    if not 0 < t.rollback_lr_scale <= 1:
+        raise ConfigError("train.rollback_lr_scale", f"must be in (0, 1], got {t.rollback_lr_scale}",
+                          "1 (the same LR) or a factor below 1")
+    if t.spike_zscore is not None and not t.spike_zscore > 0:
+        raise ConfigError("train.spike_zscore", f"must be > 0, got {t.spike_zscore}", "e.g. 6, or null (off)")
 
 
 def _check_cuda_graph(cfg, caps: EngineCaps) -> None:
@@ -310,3 +374,10 @@ def _check_checkpoint(ck) -> None:
         raise ConfigError("checkpoint.load_weights_only", "needs checkpoint.load_path", "false")
     if ck.load_step is not None and ck.resume == ResumeMode.never:
         raise ConfigError("checkpoint.load_step", "conflicts with checkpoint.resume=never", "null")
+    if ck.interval_minutes is not None and not ck.interval_minutes > 0:
+        raise ConfigError("checkpoint.interval_minutes", f"must be > 0, got {ck.interval_minutes}",
+                          "minutes of training between saves, or null (by checkpoint.interval only)")
+    if ck.overwrite and ck.resume != ResumeMode.never:
+        raise ConfigError("checkpoint.overwrite", f"true does nothing with checkpoint.resume={ck.resume}: it "
+                          "only lets resume=never start over in a run dir with checkpoints",
+                          "false, or checkpoint.resume=never")

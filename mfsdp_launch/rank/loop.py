@@ -4,23 +4,28 @@ step, validation, metrics at log steps, checkpoints and graceful stops."""
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .oom import note_step
+from .progress import RankProgress
+from .step_guard import OK, ROLLBACK, Diverged, StepGuard
 from ..components.metrics import MetricsWriter, StepTimer, alloc_retries, peak_memory_gib, peak_reserved_gib
 
 
 @dataclass
 class TrainState:
-    step: int = 0  # optimizer steps completed
+    step: int = 0  # steps completed (skipped bad steps included: the data moved past them)
     tokens_seen: int = 0
     consumed_samples: int = 0
+    skipped_steps: int = 0  # bad steps skipped, over the whole run (rank/step_guard.py)
+    rollbacks: int = 0  # rollbacks to a checkpoint after train.max_bad_steps bad steps in a row
+    lr_scale: float = 1.0  # train.rollback_lr_scale ** rollbacks
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -29,6 +34,10 @@ class TrainState:
         self.step = int(d["step"])
         self.tokens_seen = int(d["tokens_seen"])
         self.consumed_samples = int(d["consumed_samples"])
+        # Checkpoints written before bad steps were counted have none of these.
+        self.skipped_steps = int(d.get("skipped_steps", 0))
+        self.rollbacks = int(d.get("rollbacks", 0))
+        self.lr_scale = float(d.get("lr_scale", 1.0))
 
 
 @dataclass
@@ -52,6 +61,8 @@ class LoopContext:
     step_fn: Optional[Callable[[], torch.Tensor]] = None  # a captured CUDA graph replay, if any
     val_batch: Optional[Callable[[int], dict]] = None  # val step -> this rank's validation batch; None: no validation
     profiler: Optional[object] = None  # profiling.StepProfiler (train.profile), or None
+    progress_file: Optional[Path] = None  # rank 0's position, for the launcher's bar (rank/progress.py)
+    stragglers: Optional[object] = None  # straggler.StragglerReport (train.straggler_ratio), or None
 
 
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
@@ -59,14 +70,17 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     sync_every = bool(ctx.engine.engine_cfg.sync_every_microbatch)
     samples_per_step = train_cfg.micro_batch_size * ga * ctx.dp_size
     tokens_per_step = samples_per_step * ctx.spec.tokens_per_sample
-    progress = _Progress(train_cfg, state.step) if ctx.rank == 0 else None
+    progress = RankProgress(train_cfg, state.step, ctx.progress_file, tokens_per_step) if ctx.rank == 0 else None
     timer = StepTimer(ctx.device)
-    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    guard = StepGuard(train_cfg, ctx.rank)
+    guard.start(state, ctx.scheduler, ctx.optimizer)
+    loss_sum, good_since_log = 0.0, 0  # the losses of the applied steps since the last row
     steps_since_log, blocked, paused = 0, 0.0, 0.0
     try:
         while state.step < train_cfg.steps:
             if ctx.profiler is not None:
                 ctx.profiler.begin(state.step + 1)
+            step_loss = torch.zeros((), device=ctx.device, dtype=torch.float32)
             for micro in range(ga):
                 ctx.engine.set_grad_sync(model, sync_every or micro == ga - 1)
                 if ctx.step_fn is not None:
@@ -76,11 +90,22 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                     with ctx.forward_context():
                         loss = ctx.spec.loss(model, batch)
                     (loss / ga).backward()
-                loss_sum += loss.detach().float() / ga
-            grad_norm = ctx.engine.clip_grad_norm(model, train_cfg.grad_clip)
-            ctx.optimizer.step()
-            ctx.scheduler.step()
+                step_loss += loss.detach().float() / ga
+            # Before the optimizer step, on every rank alike: a non-finite loss or gradient norm
+            # (or a spike) is skipped, and too many in a row roll back (rank/step_guard.py).
+            check = ctx.engine.check_step(model, train_cfg.grad_clip, step_loss)
+            verdict = guard.judge(state.step + 1, check, state)
+            grad_norm = check.grad_norm
+            if verdict == OK:
+                ctx.optimizer.step()
+                ctx.scheduler.step()
+                loss_sum, good_since_log = loss_sum + check.loss, good_since_log + 1
             ctx.optimizer.zero_grad(set_to_none=ctx.step_fn is None)
+            if verdict == ROLLBACK:
+                _roll_back(model, state, ctx, guard)
+                timer.lap()
+                loss_sum, good_since_log, steps_since_log, blocked, paused = 0.0, 0, 0, 0.0, 0.0
+                continue
             state.step += 1
             if ctx.profiler is not None:
                 ctx.profiler.end(state.step)
@@ -95,15 +120,16 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 val_row, seconds = validate(model, train_cfg.val_steps, state.step, ctx, progress)
                 paused += seconds
             if state.step % train_cfg.log_interval == 0 or last or stop:
+                straggle = ctx.stragglers.check(steps_since_log) if ctx.stragglers else {}  # before the device sync
                 dt = (timer.lap() - paused) / steps_since_log  # validation is not training time
-                row = _log_row(ctx, state, loss_sum / steps_since_log, grad_norm, dt, tokens_per_step, blocked)
-                loss_sum.zero_()
+                mean_loss = loss_sum / good_since_log if good_since_log else float("nan")  # all skipped: nan
+                row = {**_log_row(ctx, state, mean_loss, grad_norm, dt, tokens_per_step, blocked), **straggle}
+                row.update(bad_steps=guard.streak, skipped_steps=state.skipped_steps, rollbacks=state.rollbacks)
+                loss_sum, good_since_log = 0.0, 0
                 steps_since_log, blocked, paused = 0, 0.0, 0.0
                 if progress is not None:
                     progress.log(row)
                 ctx.metrics.write({**row, **(val_row or {})})  # one row per step
-                if not math.isfinite(row["loss"]):
-                    raise FloatingPointError(f"loss is {row['loss']} at step {state.step}")
             elif val_row is not None:
                 ctx.metrics.write(val_row)
             if progress is not None:
@@ -114,6 +140,9 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 if ctx.rank == 0:
                     print(f"stopping at step {state.step} on request; checkpoint saved", flush=True)
                 break
+    except Diverged:
+        ctx.checkpoints.wait()  # every rank raised it alike: an async save in flight still commits
+        raise
     except Exception as exc:
         note_step(exc, state.step + 1)  # the step it escaped from, for the one-line OOM report (rank/oom.py)
         raise
@@ -123,6 +152,20 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
         if ctx.profiler is not None:
             ctx.profiler.close()
     return state
+
+
+def _roll_back(model, state: TrainState, ctx: LoopContext, guard: StepGuard) -> None:
+    """Reload the newest intact checkpoint of this run (collective); Diverged when there is none."""
+    bad_step = state.step + 1
+    before = state.state_dict()
+    # Back to before the streak: checkpoints saved during it hold its first step's weights.
+    to_step = ctx.checkpoints.rollback(model, ctx.optimizer, ctx.scheduler, state, at_most=guard.first_bad - 1)
+    if to_step is None:
+        raise guard.no_checkpoint(bad_step)
+    guard.rolled_back(state, before, to_step, ctx.scheduler, ctx.optimizer)
+    ctx.metrics.rewind(to_step)
+    if ctx.step_fn is not None:
+        ctx.step_fn.step = state.step  # the captured graph's batch position
 
 
 def _validation_due(ctx: LoopContext, train_cfg, step: int, last: bool, stop: bool) -> bool:
@@ -157,12 +200,9 @@ def validate(model: torch.nn.Module, val_steps: int, step: int, ctx: LoopContext
     return row, seconds
 
 
-def _log_row(ctx: LoopContext, state: TrainState, loss: torch.Tensor, grad_norm, dt: float,
+def _log_row(ctx: LoopContext, state: TrainState, loss: float, grad_norm, dt: float,
              tokens_per_step: int, blocked: float) -> dict:
-    loss = loss.detach().clone()
-    # Every rank holds its own DP shard's loss; the logged loss is their mean.
-    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-    loss = loss.item() / ctx.world_size
+    """`loss`: the mean over ranks and the applied steps since the last row (check_step's)."""
     tokens_per_s_per_gpu = tokens_per_step / dt / ctx.world_size
     tflops = ctx.spec.flops_per_token * tokens_per_s_per_gpu / 1e12 if ctx.spec.flops_per_token else None
     mfu = tflops / ctx.peak_tflops if (tflops is not None and ctx.peak_tflops) else None
@@ -182,43 +222,3 @@ def _log_row(ctx: LoopContext, state: TrainState, loss: torch.Tensor, grad_norm,
         "tokens_seen": state.tokens_seen,
         "ckpt_blocked_s": blocked,
     }
-
-
-class _Progress:
-    """A rich progress bar on a terminal; plain log lines always (also when piped)."""
-
-    def __init__(self, train_cfg, start: int):
-        from rich.console import Console
-
-        self.console = Console(highlight=False, file=sys.stdout, soft_wrap=True)
-        self.bar = None
-        if train_cfg.progress and self.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                console=self.console, transient=True)
-            self.task = self.bar.add_task("train", total=train_cfg.steps, completed=start)
-            self.bar.start()
-
-    def log(self, row: dict) -> None:
-        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
-        tf = f"{row['tflops_per_gpu']:.2f}" if row["tflops_per_gpu"] is not None else "n/a"
-        line = (f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
-                f"gnorm {row['grad_norm']:.3f}  tok/s/gpu {row['tokens_per_s_per_gpu']:,.0f}  "
-                f"TFLOP/s/gpu {tf}  MFU {mfu}  mem {row['peak_mem_gib']:.2f} GiB  "
-                f"{row['step_time_s'] * 1000:.0f} ms/step")
-        (self.bar.console if self.bar else self.console).print(line)
-        sys.stdout.flush()
-
-    def log_val(self, row: dict, seconds: float) -> None:
-        line = f"step {row['step']:>6}  val_loss {row['val_loss']:.4f}  val_ppl {row['val_ppl']:.2f}  ({seconds:.1f} s)"
-        (self.bar.console if self.bar else self.console).print(line)
-        sys.stdout.flush()
-
-    def advance(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()

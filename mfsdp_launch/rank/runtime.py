@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -163,7 +162,8 @@ class IO:
 def build_checkpoints(cfg, rt: Runtime, engine: Engine):
     from ..checkpoint import CheckpointManager, manifest_info_from_config
 
-    return CheckpointManager(cfg.checkpoint, Path(cfg.run.dir), rank=rt.rank, world_size=rt.world_size,
+    # run.dir: a directory, or an object store's URL (core/storage.py)
+    return CheckpointManager(cfg.checkpoint, cfg.run.dir, rank=rt.rank, world_size=rt.world_size,
                              engine=engine, process_group=rt.control,
                              manifest_info=manifest_info_from_config(cfg, world_size=rt.world_size))
 
@@ -172,10 +172,14 @@ def build_io(cfg, rt: Runtime, tr: Training, resumed) -> IO:
     """`resumed` is the TrainState after the checkpoint resume (data continues from its samples)."""
     from ..components.metrics import MetricsWriter
 
-    metrics = MetricsWriter(Path(cfg.run.dir), enabled=rt.rank == 0, tensorboard=cfg.logging.tensorboard,
-                            logging_cfg=cfg.logging,
+    from ..core.storage import local_run_dir
+
+    next_batch = batch_source(cfg, tr.spec, rt, resumed)
+    metrics = MetricsWriter(cfg.run.dir, enabled=rt.rank == 0, tensorboard=cfg.logging.tensorboard,
+                            logging_cfg=cfg.logging, local_dir=local_run_dir(cfg.run),
+                            data_tokens=getattr(next_batch, "data_tokens", None),
                             start_step=resumed.step)
-    return IO(metrics=metrics, next_batch=batch_source(cfg, tr.spec, rt, resumed))
+    return IO(metrics=metrics, next_batch=next_batch)
 
 
 def batch_source(cfg, spec: ModelSpec, rt: Runtime, resumed=None) -> Callable[[int, int], dict]:
@@ -196,6 +200,7 @@ def batch_source(cfg, spec: ModelSpec, rt: Runtime, resumed=None) -> Callable[[i
         def next_batch(step: int, micro: int) -> dict:
             return _to_device(cfg, rt, batches.microbatch(step, micro, grad_accum_steps=t.grad_accum_steps, **base))
 
+        next_batch.data_tokens = batches.n_tokens or None  # the train split's size (metrics' epochs)
         return next_batch
     # The seed's toys train on one fixed (input, target) pair per data-parallel rank.
     gen = torch.Generator().manual_seed(cfg.train.seed * 1000003 + rt.dp_rank)

@@ -56,7 +56,8 @@ def install_process_guards(run_dir: Optional[Path]) -> None:
 class StopControl:
     """`requested(step)`: True on every rank once any rank got a stop signal or rank 0 sees the
     STOP file. Collective (an all_reduce on `group`, a CPU group): call it on every rank, once a
-    step."""
+    step. The same all_reduce carries a vote (`requested(step, vote=...)`; any rank's True makes
+    `voted` True on every rank): rank 0's "a time-based checkpoint is due", at no extra cost."""
 
     def __init__(self, run_dir, rank: int, group=None):
         self.stop_file = Path(run_dir) / rundir.STOP
@@ -64,6 +65,7 @@ class StopControl:
         self.group = group
         self.reason: Optional[str] = None  # the signal's name, or "STOP file"
         self._flag = None
+        self.voted = False
 
     def install(self) -> "StopControl":
         def handler(signum, _frame):
@@ -73,16 +75,18 @@ class StopControl:
             signal.signal(sig, handler)
         return self
 
-    def requested(self, step: int) -> bool:
+    def requested(self, step: int, vote: bool = False) -> bool:
         import torch
         import torch.distributed as dist
 
         if self._flag is None:
-            self._flag = torch.zeros(1, dtype=torch.int32)
+            self._flag = torch.zeros(2, dtype=torch.int32)
         local = self.reason is not None or (self.rank == 0 and self.stop_file.exists())
         if local and self.reason is None:
             self.reason = "STOP file"
-        self._flag.fill_(int(local))
+        self._flag[0], self._flag[1] = int(local), int(vote)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(self._flag.item())
+        stop, self.voted = self._flag.tolist()
+        self.voted = bool(self.voted)
+        return bool(stop)

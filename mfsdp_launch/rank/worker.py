@@ -37,6 +37,11 @@ def run_as_external_worker(cfg, overrides: List[str]) -> int:
     from ..planner.validate import validate
     from .runtime import dist_env
 
+    from ..core import storage
+
+    if storage.is_remote(cfg.run.dir):
+        raise ConfigError("run.dir", f"{cfg.run.dir}: an object-store run.dir needs the launcher (mfsdp-train "
+                          "without a torchrun around it)", "a directory, or mfsdp-train run.dir=... alone")
     rank, _, world_size = dist_env()
     # The job's shape is whatever torchrun/srun started, not what the config guessed.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world_size)))
@@ -46,7 +51,16 @@ def run_as_external_worker(cfg, overrides: List[str]) -> int:
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     cfg.run.dir = str(run_dir)
     if rank == 0:
-        save_frozen(cfg, run_dir, overrides)
+        from ..checkpoint.aside import before_start
+
+        try:  # what the launcher does before spawning: keep what this run would replace
+            moved = before_start(cfg.checkpoint, run_dir)
+        except ConfigError:  # refused: rank 0's CheckpointManager says so on every rank, in one line
+            pass
+        else:
+            if moved:
+                print(moved, flush=True)
+            save_frozen(cfg, run_dir, overrides)
     return run(cfg)
 
 
@@ -54,6 +68,8 @@ def run(cfg) -> int:
     from .runtime import dist_env
 
     from ..checkpoint import CheckpointError
+    from ..core import exit_codes
+    from .step_guard import Diverged
 
     rank = dist_env()[0]
     try:
@@ -62,6 +78,10 @@ def run(cfg) -> int:
         if rank == 0:
             eprint(f"mfsdp-train: error: {exc}")
         code = 2
+    except Diverged as exc:  # decided alike on every rank (one all-reduce a step)
+        if rank == 0:
+            eprint(f"mfsdp-train: error: training diverged at {exc}")
+        code = exit_codes.DIVERGED
     except CheckpointError as exc:  # every rank raises it together, after agreeing on the failure
         if rank == 0:
             eprint(f"mfsdp-train: error: {exc}")
@@ -106,10 +126,12 @@ def _train(cfg) -> int:
     import torch.distributed as dist
 
     from ..core import rundir
+    from ..core.storage import local_run_dir
     from .loop import LoopContext, TrainState, train
     from ..components.metrics import device_peak_tflops
     from ..components.profiling import build_profiler
     from .runtime import (build_checkpoints, build_io, build_training, dist_env, full_iteration_graph, init_runtime, val_batch_source)
+    from . import straggler
     from .stopping import StopControl
     from .watchdog import StallWatchdog
 
@@ -126,11 +148,15 @@ def _train(cfg) -> int:
         _print_start(cfg, rt, tr, peak, peak_source)
     # The STOP file, or SIGTERM/SIGINT/SIGHUP/SIGUSR1 sent straight to a rank (SLURM preemption):
     # every rank checkpoints and stops at the same step.
-    stop = StopControl(cfg.run.dir, rt.rank, rt.control).install()
+    local = local_run_dir(cfg.run)  # run.dir, or this machine's side of an object-store run.dir
+    stop = StopControl(local, rt.rank, rt.control).install()
 
     def stop_requested(step: int) -> bool:
         watchdog.arm()  # called once per completed step
-        return stop.requested(step)
+        # The per-step stop collective also carries rank 0's checkpoint.interval_minutes clock.
+        stopping = stop.requested(step, vote=checkpoints.time_due())
+        checkpoints.agree(step, stop.voted)
+        return stopping
 
     ctx = LoopContext(
         engine=tr.engine, spec=tr.spec, optimizer=tr.optimizer, scheduler=tr.scheduler, next_batch=io.next_batch,
@@ -138,7 +164,9 @@ def _train(cfg) -> int:
         rank=rt.rank, peak_tflops=peak, metrics=io.metrics, checkpoints=checkpoints, stop_requested=stop_requested,
         step_fn=full_iteration_graph(cfg, tr, io.next_batch, state.step, rt.control),
         val_batch=val_batch_source(cfg, tr.spec, rt),
-        profiler=build_profiler(cfg.train, cfg.run.dir, rt.rank, rt.device),
+        profiler=build_profiler(cfg.train, str(local), rt.rank, rt.device),
+        progress_file=local / rundir.PROGRESS,
+        stragglers=straggler.build(cfg.train, rt.world_size, rt.device, rt.control),
     )
     try:
         train(tr.forward_model, cfg.train, state, ctx)
@@ -149,7 +177,7 @@ def _train(cfg) -> int:
         io.metrics.close()
         watchdog.stop()
     if rt.rank == 0:
-        (Path(cfg.run.dir) / rundir.STOP).unlink(missing_ok=True)
+        (local / rundir.STOP).unlink(missing_ok=True)
     # Leave together: a rank that tears its process groups down while another still talks to it
     # can abort in C++ at exit.
     dist.barrier(group=rt.control)

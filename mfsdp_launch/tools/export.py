@@ -6,8 +6,9 @@ CKPT is a step directory, a `checkpoints/` directory or a run directory (the lat
 newest intact checkpoint). The DCP shards are read in this process, without a process group, so
 it runs anywhere (no GPU, any world size). Only the model's tensors are kept; wrapper prefixes
 ("module.", "_orig_mod.", ...) are stripped, so the keys are those of the unwrapped model's
-`state_dict()`. Floating-point tensors are cast to --dtype (default: as saved). The format is
-safetensors when the package is installed, else `torch.save`; the file gets the mode a new file
+`state_dict()`. Floating-point tensors are cast to --dtype (default: as saved). The format follows
+OUT's extension (.safetensors; .pt, .pth, .bin: `torch.save`) or --format, and a --format that
+contradicts the extension is refused; the file gets the mode a new file
 gets under the umask (0644 under 022), and it and its directory are fsynced. Every file's checksum
 is verified first. Bad input, a damaged or unreadable checkpoint: one line on stderr, exit 2.
 """
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
+from ..core import storage
 from ..core.atomic_io import atomic_write_path
 from ..core.console import eprint
 from ..checkpoint.weights import read_model_state
@@ -39,25 +41,49 @@ def _have_safetensors() -> bool:
     return importlib.util.find_spec("safetensors") is not None
 
 
+# A file's extension says how to read it: the format follows it, and a --format that contradicts it
+# is refused (a safetensors file named .pt would fail torch.load).
+EXTENSIONS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def format_for(out: str | os.PathLike, fmt: Optional[str]) -> str:
+    """The format OUT is written in: --format, else OUT's extension (EXTENSIONS); one line when
+    they disagree, or when neither says."""
+    if fmt == HF_DIR:
+        return fmt
+    ext = Path(str(out)).suffix.lower()
+    by_ext = EXTENSIONS.get(ext)
+    allowed = ", ".join(f"{e} ({f})" for e, f in EXTENSIONS.items())
+    if fmt is None:
+        if by_ext is None:
+            raise ConfigError("OUT", f"{out}: cannot tell the format from its extension {ext or '(none)'!r}",
+                              f"{allowed}, or --format safetensors|torch|hf")
+        return by_ext
+    if by_ext is not None and by_ext != fmt:
+        raise ConfigError("--format", f"{fmt}, but OUT {out} has the extension of a {by_ext} file",
+                          f"--format {by_ext}, or an OUT named for {fmt}")
+    return fmt
+
+
 def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_saved",
            fmt: Optional[str] = None) -> dict:
     import torch
 
     if dtype not in DTYPES:
         raise ConfigError("--dtype", f"unknown dtype {dtype!r}", DTYPES)
-    fmt = fmt or ("safetensors" if _have_safetensors() else "torch")
-    if fmt not in FORMATS:
+    if fmt is not None and fmt not in FORMATS:
         raise ConfigError("--format", f"unknown format {fmt!r}", FORMATS)
+    fmt = format_for(out, fmt)
     if fmt == "safetensors" and not _have_safetensors():
         raise ConfigError("--format", "safetensors is not installed (pip install safetensors)", "torch")
     if fmt == HF_DIR:
         from ..models.llama.hf_export import export_checkpoint
 
         return export_checkpoint(ckpt, out, dtype=None if dtype == "as_saved" else dtype)
-    out = Path(out).expanduser().absolute()
+    out = storage.path(out).expanduser().absolute()  # a file, or an object (s3://BUCKET/KEY)
     if out.is_dir():
         raise ConfigError("OUT", f"{out} is a directory; give a file name")
-    if not out.parent.is_dir():
+    if not storage.is_remote(out) and not out.parent.is_dir():
         raise ConfigError("OUT", f"{out.parent} does not exist")
     state, found = read_model_state(ckpt)
     target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
@@ -70,9 +96,16 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_
         from safetensors.torch import save_file
 
         meta = {"step": str(found.step), "source": str(found.path)}
-        # safetensors writes by path only, into a new file (mode 0600) that replaces the path:
-        # atomic_write_path fsyncs whatever file is there by name and gives it the umask's mode.
-        atomic_write_path(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        if storage.is_remote(out):  # one PUT of the serialized file
+            from safetensors.torch import save
+
+            storage.atomic_write(out, lambda f: f.write(save(tensors, metadata=meta)))
+        else:
+            # safetensors writes by path only, into a new file (mode 0600) that replaces the path:
+            # atomic_write_path fsyncs whatever file is there by name and gives it the umask's mode.
+            atomic_write_path(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    elif storage.is_remote(out):
+        storage.atomic_write(out, lambda f: torch.save(tensors, f))
     else:
         atomic_write_path(out, lambda tmp: torch.save(tensors, tmp))
     n_params = sum(t.numel() for t in tensors.values())
@@ -94,7 +127,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("out", metavar="OUT", help="output file")
     parser.add_argument("--dtype", default="as_saved", choices=DTYPES, help="cast floating tensors (default: as saved)")
     parser.add_argument("--format", default=None, choices=FORMATS,
-                        help="default: safetensors if installed, else torch; hf: OUT is a Hugging Face directory")
+                        help="default: from OUT's extension (.safetensors, .pt/.pth/.bin: torch); hf: OUT is a Hugging Face "
+                             "directory")
     args = parser.parse_args(argv)
     from ..checkpoint.errors import CheckpointError, dcp_failures, describe
 

@@ -1,8 +1,11 @@
 """`mfsdp-report RUN_DIR [RUN_DIR ...] [--out DIR]`: plots and a short summary of runs.
 
-Reads each run's metrics.jsonl and draws loss, tokens/s/GPU, MFU and peak memory over steps,
-all runs overlaid (a sweep dir expands to its job dirs). Writes report.png (the four panels),
-one PNG per metric, and summary.txt (also printed). matplotlib is the optional `report` extra.
+Reads each run's metrics.jsonl and draws loss, tokens/s/GPU, MFU, peak memory, the learning
+rate and the gradient norm over steps, all runs overlaid (a sweep dir expands to its job dirs);
+`mfsdp-eval`'s eval/* rows are drawn on the loss panel and named in the summary. Writes
+report.png (the six panels), one PNG per metric, and summary.txt (also printed). Labels longer
+than LABEL_MAX characters become #1, #2, ... in the plots, with a legend table under them naming
+each. matplotlib is the optional `report` extra.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import List, Optional, Tuple
 
 from ..core import rundir
 from ..core.console import eprint
-from ..launcher.runstate import read_metrics
+from ..launcher.runstate import read_metrics, training_rows
 from ..launcher.sweep_summary import (ALREADY_FINISHED, job_dirs_in, job_overrides, read_json, unescape_job_name, varying_overrides)
 
 PANELS = (
@@ -25,7 +28,10 @@ PANELS = (
     ("tokens_per_s_per_gpu", "tokens/s/GPU", "throughput"),
     ("mfu", "MFU (%)", "mfu"),
     ("peak_mem_gib", "peak memory (GiB)", "memory"),
+    ("lr", "learning rate", "lr"),
+    ("grad_norm", "grad norm", "grad_norm"),
 )
+LABEL_MAX = 28  # longer labels (a sweep point's overrides) are shortened in the plots
 NO_MFU = "n/a (no device peak)"
 
 
@@ -68,6 +74,35 @@ def labels_for(runs: List[Path]) -> List[str]:
     return [unescape_job_name(str(r.relative_to(common)) if r != common else r.name) for r in runs]
 
 
+def short_labels(labels: List[str]) -> Tuple[List[str], List[Tuple[str, str]]]:
+    """The labels drawn in the plots, and the legend table's (short, full) rows: #1, #2, ... when
+    any label is longer than LABEL_MAX (no table otherwise)."""
+    if all(len(label) <= LABEL_MAX for label in labels):
+        return list(labels), []
+    short = [f"#{i + 1}" for i in range(len(labels))]
+    return short, list(zip(short, labels))
+
+
+def _legend_table(fig, pairs: List[Tuple[str, str]], height: float) -> None:
+    """The table under the plots naming each short label: a bottom strip `height` of the figure."""
+    import textwrap
+
+    ax = fig.add_axes((0.04, 0.01, 0.92, height - 0.02))
+    ax.axis("off")
+    cells = [[s, "\n".join(textwrap.wrap(full, 110)) or full] for s, full in pairs]
+    table = ax.table(cellText=cells, colLabels=["run", "label"], colWidths=[0.06, 0.94], cellLoc="left",
+                     loc="upper center")
+    table.auto_set_font_size(False)
+    table.set_fontsize(8)
+    for (row, _col), cell in table.get_celld().items():
+        cell.set_height(cell.get_height() * max(1, cells[row - 1][1].count("\n") + 1) if row else cell.get_height())
+
+
+def _table_height(pairs: List[Tuple[str, str]]) -> float:
+    lines = sum(1 + len(full) // 110 for _, full in pairs) + 1
+    return min(0.45, 0.025 * lines + 0.02) if pairs else 0.0
+
+
 def _series(rows: List[dict], key: str) -> Tuple[List[int], List[float]]:
     xs, ys = [], []
     for r in rows:
@@ -101,6 +136,11 @@ def _draw(ax, runs_rows, labels, key: str, ylabel: str, legend: bool) -> None:
             ax.plot(vx, vy, marker="s", markersize=4, linewidth=1.4, linestyle="--", label=f"{label} val",
                     color=ax.lines[-1].get_color() if xs else None)
             drawn += 1
+        ex, ey = _series(rows, rundir.EVAL_LOSS) if key == "loss" else ([], [])
+        if ex:  # mfsdp-eval rows (a checkpoint on a token set): diamonds, in the run's colour
+            ax.plot(ex, ey, marker="D", markersize=5, linewidth=1.0, linestyle=":", label=f"{label} eval",
+                    color=ax.lines[-1].get_color() if xs or vx else None)
+            drawn += 1
     from matplotlib.ticker import MaxNLocator
 
     ax.set_title(ylabel)
@@ -117,9 +157,11 @@ def _draw(ax, runs_rows, labels, key: str, ylabel: str, legend: bool) -> None:
 
 
 def plot(runs_rows: List[List[dict]], labels: List[str], out: Path, plt) -> List[Path]:
-    """The four panels in report.png, then one PNG each; one line per run."""
+    """The six panels in report.png, then one PNG each; one line per run."""
     written = []
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    labels, pairs = short_labels(labels)
+    table_h = _table_height(pairs)
+    fig, axes = plt.subplots(3, 2, figsize=(13, 12.5 / (1 - table_h)))
     for ax, (key, ylabel, _) in zip(axes.flat, PANELS):
         _draw(ax, runs_rows, labels, key, ylabel, legend=False)
     handles, names = [], []
@@ -129,21 +171,25 @@ def plot(runs_rows: List[List[dict]], labels: List[str], out: Path, plt) -> List
             handles, names = h, n
             break
     if len(runs_rows) > 1 and handles:
-        rows = (len(names) + 2) // 3
-        fig.tight_layout(rect=(0, 0.03 * rows, 1, 0.97))
-        fig.legend(handles, names, loc="lower center", ncol=min(3, len(names)), fontsize=8, frameon=False,
-                   bbox_to_anchor=(0.5, 0.0))
+        rows = (len(names) + 5) // 6
+        fig.tight_layout(rect=(0, table_h + 0.02 * rows, 1, 0.97))
+        fig.legend(handles, names, loc="lower center", ncol=min(6, len(names)), fontsize=8, frameon=False,
+                   bbox_to_anchor=(0.5, table_h))
     else:
-        fig.tight_layout(rect=(0, 0, 1, 0.97))
+        fig.tight_layout(rect=(0, table_h, 1, 0.97))
+    if pairs:
+        _legend_table(fig, pairs, table_h)
     fig.suptitle(f"mfsdp-report: {len(runs_rows)} run(s)", fontsize=10)
     target = out / rundir.REPORT_PNG
     fig.savefig(target, dpi=100, bbox_inches="tight")
     plt.close(fig)
     written.append(target)
     for key, ylabel, stem in PANELS:
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, ax = plt.subplots(figsize=(8, 5 / (1 - table_h)))
         _draw(ax, runs_rows, labels, key, ylabel, legend=True)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, table_h, 1, 1))
+        if pairs:
+            _legend_table(fig, pairs, table_h)
         target = out / f"{stem}.png"
         fig.savefig(target, dpi=100)
         plt.close(fig)
@@ -157,8 +203,13 @@ def _num(values: List[float]) -> Optional[float]:
 
 def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str]) -> str:
     lines = []
+    _, pairs = short_labels(labels)
+    if pairs:  # the plots name the runs #1, #2, ...
+        labels = [f"{s} {full}" for s, full in pairs]
     for run, rows, label in zip(runs, runs_rows, labels):
         status = _status(read_json(run / rundir.JOB_STATUS) or {})
+        evals = [r for r in rows if isinstance(r.get(rundir.EVAL_LOSS), (int, float))]
+        rows = training_rows(rows)
         if not rows:
             lines.append(f"{label}: no metrics")
             continue
@@ -182,6 +233,9 @@ def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str
         vals = [r for r in rows if isinstance(r.get("val_loss"), (int, float))]
         if vals:
             parts.append(f"val loss {vals[-1]['val_loss']:.4f} @ {vals[-1]['step']}")
+        if evals:  # the newest evaluation (mfsdp-eval appends in order)
+            e = evals[-1]
+            parts.append(f"eval loss {e[rundir.EVAL_LOSS]:.4f} (ppl {e.get(rundir.EVAL_PPL, math.nan):.2f}) @ {e['step']}")
         parts.append(f"tokens/s/GPU {tps:,.0f}" if tps is not None else "tokens/s/GPU n/a")
         parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else f"MFU {NO_MFU}")
         parts.append(f"peak mem {mem:.2f} GiB" if mem is not None else "peak mem n/a")

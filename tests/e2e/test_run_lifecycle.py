@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli, read_metrics, start_cli
+from helpers import USER_MODULE, USER_MODULE_NAME, cli, read_metrics, start_cli, write_user_module
 from mfsdp_launch.core import exit_codes, rundir
 
 pytestmark = pytest.mark.slow
@@ -177,21 +177,35 @@ def test_sigterm_to_every_process_is_a_graceful_preemption_without_traceback(tmp
 # --- 6. logs, one traceback, the summary --------------------------------------------------------
 
 
+CRASHING_MODULE = USER_MODULE.replace(
+    "    def forward(self, input_ids):\n",
+    "    calls = 0\n\n"
+    "    def forward(self, input_ids):\n"
+    "        LM.calls += 1\n"
+    "        if LM.calls == 3:\n"
+    "            raise RuntimeError('boom in forward 3')\n")
+
+
 def test_a_failing_run_shows_one_traceback_and_keeps_every_ranks_log(tmp_path):
-    """The loss turns nan on every rank at once: each rank raises; the console shows one
-    traceback (not one per rank, not torchrun's ChildFailedError block) and the summary."""
+    """The user's forward raises on every rank at once: each rank fails; the console shows one
+    traceback (not one per rank, not torchrun's ChildFailedError block) and the summary.
+    (A non-finite loss is no longer a crash: bad steps are skipped, tests/e2e/test_bad_steps_e2e.py.)"""
+    assert CRASHING_MODULE != USER_MODULE
+    env = write_user_module(tmp_path / "user_code", CRASHING_MODULE)
     run_dir = tmp_path / "run"
-    r = cli(*SMALL, f"run.dir={run_dir}", "train.steps=20", "optim.lr=1e12", "optim.warmup_steps=0",
-            "train.grad_clip=null", timeout=180)
+    small = [o for o in SMALL if not o.startswith("model.preset")]  # a key of model=gpt
+    r = cli(*small, "model=custom", f"model.target={USER_MODULE_NAME}:build",
+            f"model.fsdp_unit_modules=[{USER_MODULE_NAME}.Block]", f"run.dir={run_dir}", "train.steps=20",
+            env=env, timeout=180)
     assert r.returncode == exit_codes.FAILED, r.stderr[-3000:]
     assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
-    assert "FloatingPointError: loss is nan" in r.stderr
+    assert "RuntimeError: boom in forward 3" in r.stderr
     assert "ChildFailedError" not in r.stderr + r.stdout and "Root Cause" not in r.stderr
     assert "also failed" in r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("mfsdp-train: failed at step") and "exit code 1" in last and "loss nan" in last, last
+    assert last.startswith("mfsdp-train: failed at step") and "exit code 1" in last, last
     logs = run_dir / rundir.LOGS
     assert "ChildFailedError" in (logs / rundir.LAUNCHER_LOG).read_text()  # torchrun's block: in the log only
     for rank in (0, 1):
-        assert "FloatingPointError" in (logs / f"rank{rank}.stderr.log").read_text()
+        assert "boom in forward 3" in (logs / f"rank{rank}.stderr.log").read_text()
     assert "starting fresh" in (logs / "rank0.stdout.log").read_text()

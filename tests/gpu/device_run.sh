@@ -7,7 +7,8 @@
 # te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles),
 # te_parallel (te_gpt tp=2/cp=2 vs 1, tp reshard, TE activation checkpointing; after `setup.sh te`),
 # one_gpu (the one-GPU tier: every test marked gpu and not multi_gpu; its TE tests skip before
-# `setup.sh te`, so run it after that for the whole tier; ~5 minutes on one H200, measured in two parts).
+# `setup.sh te`, so run it after that for the whole tier; ~5 minutes on one H200, measured in two parts),
+# generate (scripts/bench_generate.py on the 1.4b gpt, then +recipe=fsdp_bf16 as shipped for 60 steps).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
 #
@@ -55,6 +56,11 @@ case "$phase" in
   one_gpu)  # the one-GPU tier; ONE_GPU_ARGS adds pytest arguments (e.g. -k ..., or files)
     timeout -k 10 "$budget" python3 -m pytest -p no:cacheprovider -q -m "gpu and not multi_gpu" \
       ${ONE_GPU_ARGS:-tests/gpu} 2>&1 | tee -a "$log"; reap ;;
+  generate)  # scripts/bench_generate.py: mfsdp-generate on the 1.4b gpt (issue 29), then fsdp_bf16 as shipped
+    timeout -k 10 "$budget" python3 scripts/bench_generate.py --run-dir /tmp/gen14 > "$OUT/generate.json" 2>>"$log"
+    cat "$OUT/generate.json" | tee -a "$log"; reap
+    timeout -k 10 180 python3 -m mfsdp_launch +recipe=fsdp_bf16 train.steps=60 train.log_interval=20 \
+      checkpoint.save_final=false run.dir=/tmp/recipe125 2>&1 | tail -6 | tee -a "$log"; reap ;;
   te_parallel)
     timeout "$budget" $PYTEST tests/gpu/test_te_parallel_gpu.py -s 2>&1 | tee -a "$log" ;;
   te_e2e_bench)

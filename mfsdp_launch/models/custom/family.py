@@ -108,6 +108,7 @@ def probe_custom(d: dict) -> dict:
     elif m.init_on_meta:
         _check_resettable(model)
     loss = um.resolve_loss_mode(model, m.loss)
+    um.check_forward_signature(model, loss, m.target)
     vocab = _vocab(m, model)
     _check_contract(model, loss, vocab, m.loss)
     out = P.measure(model, units)

@@ -124,7 +124,14 @@ def resolve_unit_classes(names: Iterable[str], model: Optional["nn.Module"] = No
         raise ConfigError(key, f"is empty; name the classes to shard one by one ({hint})")
     classes = []
     for name in names:
-        cls = import_object(name, key=key)
+        try:
+            cls = import_object(name, key=key)
+        except ConfigError as exc:
+            proposal = propose_unit_modules(model) if model is not None else []
+            if not proposal:
+                raise
+            raise ConfigError(key, f"{exc.problem} (the model repeats: {', '.join(proposal)})",
+                              exc.allowed) from None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ConfigError(key, f"{name!r} is not an nn.Module class")
         classes.append(cls)
@@ -153,6 +160,29 @@ def resolve_loss_mode(model: "nn.Module", mode: str = "auto") -> str:
     except (TypeError, ValueError):
         takes_labels = False
     return "model" if takes_labels else "cross_entropy"
+
+
+def check_forward_signature(model: "nn.Module", mode: str, target: str) -> None:
+    """The batch contract's call (`forward(input_ids)`, or `forward(input_ids, labels)` for
+    model.loss=model) must bind to the model's forward: refused in one line before spawning,
+    not a TypeError on every rank. A forward without a signature (a builtin) is not checked."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    args = ("input_ids", "labels") if mode == "model" else ("input_ids",)
+    try:
+        sig.bind(*args)
+    except TypeError as exc:
+        name = f"{type(model).__name__}.forward{sig}"
+        call = f"forward({', '.join(args)})"
+        if mode == "model":
+            raise ConfigError("model.loss", f"model, but {name} cannot be called as {call}: {exc}",
+                              "cross_entropy (forward(input_ids) returns logits), or a forward that takes "
+                              "labels and returns the loss") from None
+        raise ConfigError("model.target", f"{target}: {name} cannot be called as {call}: {exc}",
+                          "a forward(input_ids) returning logits [B, T, vocab], or "
+                          "model.loss=model with forward(input_ids, labels)") from None
 
 
 def loss_fn(mode: str) -> Callable[["nn.Module", dict], "torch.Tensor"]:

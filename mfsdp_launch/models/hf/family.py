@@ -81,6 +81,9 @@ class HFFamily(MeasuredFamily):
                          num_params=p["num_params"], flops_per_token=self.flops_per_token(m, seq_len),
                          vocab_size=p["vocab_size"])
 
+    def tokenizer_dir(self, m):
+        return m.path  # an HF directory carries its tokenizer beside config.json
+
     def load_weights(self, m, model, engine) -> None:
         if not m.pretrained:
             return

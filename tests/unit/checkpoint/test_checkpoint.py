@@ -146,9 +146,13 @@ def test_plan_fresh_and_never(tmp_path):
     plan = C.plan_resume(CheckpointConfig(), ck)
     assert plan.kind == "fresh" and plan.line == f"starting fresh: no checkpoint in {ck}"
     make_ckpt(ck, 10)
-    plan = C.plan_resume(CheckpointConfig(resume="never"), ck)
-    assert plan.kind == "fresh" and plan.line.startswith("starting fresh: checkpoint.resume=never")
-    assert "step_10" in plan.line
+    # Starting over would replace step_10: refused, unless checkpoint.overwrite=true says so.
+    with pytest.raises(ConfigError) as e:
+        C.plan_resume(CheckpointConfig(resume="never"), ck)
+    assert e.value.key == "checkpoint.resume" and "step_10" in e.value.problem
+    assert "overwrite=true" in e.value.allowed and "nothing is deleted" in e.value.allowed
+    plan = C.plan_resume(CheckpointConfig(resume="never", overwrite=True), ck)
+    assert plan.kind == "fresh" and plan.line == "starting fresh: checkpoint.resume=never"
 
 
 def test_plan_falls_back_past_damaged(tmp_path):
@@ -219,7 +223,8 @@ def test_plan_load_step_own_notes_later_steps(tmp_path):
         make_ckpt(ck, s)
     plan = C.plan_resume(CheckpointConfig(load_step=10), ck)
     assert plan.step == 10 and plan.own
-    assert "step_20, step_30" in plan.notes[0] and "removes them" in plan.notes[0]
+    assert "step_20, step_30" in plan.notes[0] and "moves them to" in plan.notes[0]
+    assert "nothing is deleted" in plan.notes[0]
 
 
 # ----------------------------------------------------------------------- preflight
@@ -320,10 +325,32 @@ def test_preflight_freeze_change_refused_for_full_resume(tmp_path):
     assert e.value.key == "model.freeze"
 
 
-def test_preflight_never_and_fresh_are_fine(tmp_path):
+def test_preflight_never_needs_overwrite_and_fresh_is_fine(tmp_path):
     _saved_run(tmp_path)
-    C.preflight(make_cfg(tmp_path, **{"checkpoint.resume": "never", "model.dim": 128}))
+    with pytest.raises(ConfigError) as e:
+        C.preflight(make_cfg(tmp_path, **{"checkpoint.resume": "never", "model.dim": 128}))
+    assert e.value.key == "checkpoint.resume" and "step_20" in str(e.value)
+    C.preflight(make_cfg(tmp_path, **{"checkpoint.resume": "never", "checkpoint.overwrite": True, "model.dim": 128}))
+    with pytest.raises(ConfigError) as e:  # a load_path that overwrite would move away with the rest
+        C.preflight(make_cfg(tmp_path, **{"checkpoint.resume": "never", "checkpoint.overwrite": True,
+                                          "checkpoint.load_path": str(tmp_path / "checkpoints" / "step_20")}))
+    assert e.value.key == "checkpoint.load_path"
     C.preflight(make_cfg(tmp_path / "elsewhere"))
+
+
+def test_preflight_data_change_refused_unless_allowed(tmp_path):
+    from mfsdp_launch.checkpoint.manifest import SAMPLE_KEYS
+
+    _saved_run(tmp_path)
+    for key, value in (("train.seq_len", 64), ("train.seed", 7), ("data.name", "text")):
+        assert key in SAMPLE_KEYS
+        with pytest.raises(ConfigError) as e:
+            C.preflight(make_cfg(tmp_path, **{key: value}))
+        assert e.value.key == key and f"{value!r} here but" in e.value.problem, e.value
+        assert "checkpoint.allow_data_change=true" in e.value.allowed and "resume=never" not in str(e.value)
+        C.preflight(make_cfg(tmp_path, **{key: value, "checkpoint.allow_data_change": True}))
+    # Not a data key for the synthetic data: allowed and printed, as before.
+    C.preflight(make_cfg(tmp_path, **{"data.max_bytes": 1000}))
 
 
 def test_preflight_does_not_import_torch(tmp_path):

@@ -478,7 +478,11 @@ def test_load_step_rewinds_and_replaces_later_steps(tmp_path, capsys):
     assert "step_2, step_3 in" in out and "resuming from step 1 (" in out
     _steps(model, opt, sched, ts, mgr, [2])
     assert committed_steps(tmp_path / "checkpoints") == [1, 2]
-    assert "removed step_3" in capsys.readouterr().out
+    # The replaced timeline's step_2 and step_3 are kept aside, not deleted.
+    assert committed_steps(tmp_path / "previous" / "1" / "checkpoints") == [2, 3]
+    out = capsys.readouterr().out
+    assert f"moved the earlier step_2, step_3 to {tmp_path / 'previous' / '1'}" in out
+    assert "it continued from step_1" in out and "nothing is deleted" in out
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_2"
 
 def test_weights_only_load_across_key_prefixes(tmp_path, capsys):

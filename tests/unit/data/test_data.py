@@ -221,6 +221,21 @@ def test_cache_reused_and_invalidated(corpus, cache):
     assert os.path.getsize(os.path.join(tb4.path, "shard_000000.bin")) == tb4.n_tokens == tb3.n_tokens
 
 
+def test_a_same_size_damage_in_the_cache_is_rebuilt_never_read(corpus, cache, capfd):
+    cfg = _text_cfg(cache, corpus)
+    path, _ = D.build_token_cache(cfg)
+    shard = os.path.join(path, "shard_000000.bin")
+    good = open(shard, "rb").read()
+    with open(shard, "r+b") as f:  # one byte in the middle, size unchanged
+        f.seek(len(good) // 2)
+        f.write(bytes([good[len(good) // 2] ^ 0xFF]))
+    capfd.readouterr()
+    tb = _tb(cfg, seq_len=8)
+    assert tb.path == path and open(shard, "rb").read() == good  # rebuilt before the batches read it
+    err = capfd.readouterr().err
+    assert f"the token cache {path} was damaged ({shard} checksum" in err and "rebuilt it" in err
+
+
 def test_cache_dir_env(corpus, tmp_path, monkeypatch):
     env_dir = tmp_path / "envcache"
     monkeypatch.setenv("MFSDP_CACHE_DIR", str(env_dir))

@@ -13,7 +13,7 @@ def test_dry_run_prints_rank_table_groups_and_memory(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "(2, 4, 1, 1)" in text
-    for header in ("rank", "node", "local_rank", "dp_outer", "dp_shard", "hsdp group", "memory per rank"):
+    for header in ("rank", "node", "local_rank", "dp_outer", "dp_shard", "hsdp", "group", "memory per rank"):
         assert header in text
     # rank 5 is dp_outer 1, dp_shard 1; its dp_shard group is 4-7
     row5 = [line for line in text.splitlines() if line.split()[:1] == ["5"]][0].split()
@@ -74,8 +74,8 @@ def test_no_arguments_prints_a_usage_hint_and_trains_nothing(tmp_path):
 def test_unknown_option_is_one_line(tmp_path):
     out = cli("+recipe=cpu_smoke", "--bogus", timeout=60)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "mfsdp-train: error: --bogus: unknown option (allowed: --help|--version|--cfg|--config-dir|--multirun "
-        "and key=value overrides)"]
+        "mfsdp-train: error: --bogus: unknown option (allowed: --help|--version|--cfg|--config-dir|--multirun|"
+        "--shell-completion and key=value overrides)"]
 
 
 def own_recipes(tmp_path):

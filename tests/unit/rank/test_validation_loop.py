@@ -1,5 +1,6 @@
-"""The loop's validation hook in one process (a 1-rank gloo group): when it runs, what it writes,
-and that training is the same with it."""
+"""The loop in one process (a 1-rank gloo group): when the validation hook runs, what it writes,
+and that training is the same with it; a non-finite step is skipped (weights, optimizer state and
+LR schedule as before it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,29 @@ import torch
 from helpers import one_rank_group, read_metrics
 from mfsdp_launch.rank.loop import LoopContext, TrainState, train
 from mfsdp_launch.components.metrics import MetricsWriter
-from mfsdp_launch.core.schema import EngineConfig
+from mfsdp_launch.core.schema import EngineConfig, TrainConfig
+from mfsdp_launch.engines.base import Engine
+
+
+class PlainEngine(Engine):
+    """The engine interface's own gradient check and clipping on an unsharded model."""
+
+    name = "plain"
+
+    def shard(self, model, spec, *, init_on_meta):
+        return model
+
+    def wrap_optimizer(self, model, optimizer):
+        return optimizer
+
+    def set_grad_sync(self, model, sync):
+        pass
+
+    def state_dict(self, model, optimizer):
+        raise NotImplementedError
+
+    def load_state_dict(self, model, optimizer, state):
+        raise NotImplementedError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,18 +50,20 @@ def batch(seed: int) -> dict:
     return {"x": x, "y": x.sum(-1, keepdim=True) + 0.1 * torch.randn(8, 1, generator=g)}
 
 
-def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, stop_at=None, nan_at=None):
+def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, stop_at=None, nan_at=None,
+        with_state=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    engine = types.SimpleNamespace(engine_cfg=EngineConfig(), set_grad_sync=lambda m, on: None,
-                                   clip_grad_norm=lambda m, c: torch.tensor(1.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    engine = PlainEngine(engine_cfg=EngineConfig(), sharding_cfg=None, precision_cfg=None, dims=None, mesh=None,
+                         device=torch.device("cpu"))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     spec = types.SimpleNamespace(loss=lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]),
                                  tokens_per_sample=1, flops_per_token=None)
     tmp_path.mkdir()
     metrics = MetricsWriter(tmp_path, enabled=True)
     ctx = LoopContext(engine=engine, spec=spec, optimizer=opt,
-                      scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                      scheduler=scheduler,
                       next_batch=lambda step, micro: batch(step) if step != nan_at else {"x": torch.full((8, 4), float("nan")),
                                                                                            "y": torch.zeros(8, 1)},
                       forward_context=contextlib.nullcontext,
@@ -46,12 +71,15 @@ def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, sto
                       metrics=metrics, checkpoints=types.SimpleNamespace(maybe_save=lambda *a, **k: 0.0),
                       stop_requested=lambda step: step == stop_at,
                       val_batch=(lambda i: batch(1000 + i)) if validate else None)
-    cfg = types.SimpleNamespace(steps=steps, grad_accum_steps=1, micro_batch_size=8, log_interval=log_interval,
-                                grad_clip=None, val_interval=val_interval, val_steps=2, progress=False)
-    train(model, cfg, TrainState(), ctx)
+    cfg = TrainConfig(steps=steps, grad_accum_steps=1, micro_batch_size=8, log_interval=log_interval,
+                      grad_clip=None, val_interval=val_interval, val_steps=2, progress=False)
+    state = train(model, cfg, TrainState(), ctx)
     metrics.close()
     rows = read_metrics(tmp_path)
-    return rows, [p.detach().clone() for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    if with_state:
+        return rows, params, state, opt, scheduler
+    return rows, params
 
 
 def test_validation_rows_and_unchanged_training(tmp_path):
@@ -72,6 +100,20 @@ def test_a_final_validation_but_none_when_stopping_early(tmp_path):
     assert [r["step"] for r in stopped if "val_loss" in r] == [2]  # the stop at step 4 skips validation
 
 
-def test_a_non_finite_loss_still_stops_the_run_with_validation_on(tmp_path):
-    with pytest.raises(FloatingPointError, match="loss is nan at step 4"):
-        run(tmp_path / "nan", log_interval=1, val_interval=3, nan_at=3)  # step 4 trains on batch 3
+def test_a_non_finite_step_is_skipped_weights_optimizer_and_schedule_unchanged(tmp_path):
+    # step 4 trains on batch 3, all NaN: skipped, so the run equals one that stopped after step 3
+    rows, params, state, opt, sched = run(tmp_path / "nan", steps=4, log_interval=1, val_interval=3, nan_at=3,
+                                          with_state=True)
+    _, ref, _, ref_opt, ref_sched = run(tmp_path / "ref", steps=3, log_interval=1, val_interval=3, with_state=True)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref))
+    assert sched.last_epoch == ref_sched.last_epoch == 3 and opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    for p, q in zip(opt.state.values(), ref_opt.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert all(p.grad is None for p in opt.param_groups[0]["params"])  # zeroed
+    row = {r["step"]: r for r in rows if "loss" in r}[4]
+    assert row["skipped_steps"] == 1 and row["bad_steps"] == 1 and row["loss"] != row["loss"]  # nan: none applied
+    assert state.step == 4 and state.skipped_steps == 1 and state.consumed_samples == 4 * 8
+    # the run goes on after it: the streak ends at the next good step
+    more, after = run(tmp_path / "on", steps=6, log_interval=1, val_interval=3, nan_at=3)
+    assert [r["bad_steps"] for r in more if "loss" in r] == [0, 0, 0, 1, 0, 0]
+    assert all(torch.isfinite(p).all() for p in after)

@@ -78,7 +78,7 @@ def test_logged_lr_is_a_number_when_the_optimizer_keeps_it_on_device(tmp_path):
     ctx = types.SimpleNamespace(world_size=1, spec=types.SimpleNamespace(flops_per_token=None), peak_tflops=None,
                                 optimizer=opt, device=torch.device("cpu"))
     with one_rank_group(tmp_path / "store"):
-        row = _log_row(ctx, TrainState(step=3), torch.tensor(5.0), torch.tensor(1.0), 0.1, 4096, 0.0)
+        row = _log_row(ctx, TrainState(step=3), 5.0, 1.0, 0.1, 4096, 0.0)  # (mean loss and norm: check_step's floats)
     writer = MetricsWriter(tmp_path, enabled=True)
     writer.write(row)
     writer.close()

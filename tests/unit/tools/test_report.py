@@ -12,7 +12,7 @@ from helpers import ROOT, cli
 from mfsdp_launch.tools import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PNGS = ("report.png", "loss.png", "throughput.png", "mfu.png", "memory.png")
+PNGS = ("report.png", "loss.png", "throughput.png", "mfu.png", "memory.png", "lr.png", "grad_norm.png")
 
 
 def fake_run(run_dir: Path, steps=10, mfu=None, lr=1e-3, overrides=None) -> Path:
@@ -115,6 +115,37 @@ def test_labels_are_the_swept_values(tmp_path):
     runs = [fake_run(tmp_path / f"j{i}", overrides=["+recipe=cpu_smoke", f"optim.lr={lr}", "train.steps=3"])
             for i, lr in enumerate((0.1, 0.2))]
     assert report.labels_for(runs) == ["optim.lr=0.1", "optim.lr=0.2"]
+
+
+def test_long_labels_are_numbered_with_a_legend_table_and_lr_and_grad_norm_are_drawn(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    saved = []  # per figure written: {panel title: [(line label, y values)]}, and its tables' cells
+    orig = matplotlib.figure.Figure.savefig
+
+    def spy(self, *a, **kw):
+        panels = {ax.get_title(): [(ln.get_label(), list(ln.get_ydata())) for ln in ax.lines] for ax in self.axes}
+        cells = [[[c.get_text().get_text() for (r, _), c in sorted(t.get_celld().items()) if r == row]
+                  for row in range(1, len({r for r, _ in t.get_celld()}))] for ax in self.axes for t in ax.tables]
+        saved.append((panels, cells))
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    long = [["+recipe=cpu_smoke", f"optim.lr={lr}", f"data.path=/data/a/long/corpus/path/number_{i}"]
+            for i, lr in enumerate((1e-3, 3e-3))]
+    runs = [fake_run(tmp_path / f"j{i}", lr=(1e-3, 3e-3)[i], overrides=o) for i, o in enumerate(long)]
+    assert report.main([str(r) for r in runs] + ["--out", str(tmp_path / "o")]) == 0
+    full = report.labels_for(runs)
+    assert all(len(f) > report.LABEL_MAX for f in full)
+    panels, tables = saved[0]  # report.png
+    assert [label for label, _ in panels["loss"]] == ["#1", "#2"]  # short in the plots
+    assert tables == [[["#1", full[0]], ["#2", full[1]]]]  # the legend table names them
+    assert [ys[0] for _, ys in panels["learning rate"]] == [1e-3, 3e-3] and len(panels["grad norm"]) == 2
+    text = (tmp_path / "o" / "summary.txt").read_text()
+    assert f"#1 {full[0]}: step 10" in text
+    for name in PNGS:
+        assert_png(tmp_path / "o" / name)
+    assert report.short_labels(["a", "b"]) == (["a", "b"], [])  # short ones stay as they are
 
 
 def test_not_a_run_dir_is_one_line_exit_2(tmp_path, capsys):

@@ -1,0 +1,257 @@
+"""`mfsdp-generate RUN_OR_DIR --prompt TEXT`: text from a checkpoint of a run, or from a Hugging
+Face directory, on one GPU or the CPU.
+
+    mfsdp-generate runs/cpu_smoke --prompt "def main(" --max-new-tokens 64
+    mfsdp-generate runs/x --prompts prompts.txt --temperature 0.8 --top-p 0.95 --step 400
+    mfsdp-generate hf_out/ --prompt "Hello" --chat
+
+RUN_OR_DIR is a run, `checkpoints/` or step directory (the newest intact checkpoint unless
+`--step`), or an HF directory. Decoding is greedy at `--temperature 0` (the default), else
+sampled, after `--top-k` and `--top-p` (nucleus) filtering. `model=gpt` decodes with a KV cache
+(models/llama/kv_cache.py); `model=hf` and HF directories use transformers' `generate` with its
+cache. `--chat` wraps each prompt in the tokenizer's chat template. The tokenizer is the run's
+(tools/run_tokenizer.py) or `--tokenizer`. Each completion is printed with the new tokens and
+tokens/s; `--json` prints one JSON object per prompt instead. Bad input: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from ..core.console import eprint
+from ..core.errors import ConfigError
+
+PROG = "mfsdp-generate"
+
+
+def sample_next(logits, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, generator=None):
+    """Next token ids [B] from logits [B, vocab]: argmax at temperature 0, else a draw from the
+    softmax of logits / temperature restricted to the top_k ids and the top_p probability mass."""
+    import torch
+
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+        outside = probs.cumsum(dim=-1) - probs > top_p  # the mass before a token already covers top_p
+        logits = logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def generate_gpt(model, prompt: List[int], *, max_new_tokens: int, eos_id: Optional[int], cache=None, step=None,
+                 generator=None, **sampling) -> List[int]:
+    """New token ids after `prompt` for the built-in gpt, batch 1, with a KV cache (`cache`, `step`:
+    a preallocated cache and a compiled decode step, see `compiled_decoder`)."""
+    import torch
+
+    from ..models.llama.kv_cache import KVCache, decode_step, prefill
+
+    device = model.tok_emb.weight.device
+    cache = cache or KVCache.for_model(model, 1, len(prompt) + max_new_tokens)
+    step = step or decode_step
+    logits = prefill(model, torch.tensor([prompt], device=device), cache)[:, -1]
+    pos = torch.tensor(len(prompt), device=device)
+    out = []
+    for i in range(max_new_tokens):
+        token = sample_next(logits, generator=generator, **sampling)
+        out.append(token)
+        if eos_id is not None and token.item() == eos_id:  # a sync per token, only when stopping at EOS
+            break
+        if i + 1 < max_new_tokens:
+            logits = step(model, token.view(1, 1), pos, cache)[:, -1]
+            pos += 1
+    return torch.cat(out).tolist() if out else []
+
+
+def compiled_decoder(model, max_len: int):
+    """(decode step under torch.compile mode=reduce-overhead, one cache of `max_len` for every
+    prompt): the cache's addresses are marked static, so a CUDA graph can replay over them."""
+    import torch
+
+    from ..models.llama.kv_cache import KVCache, decode_step
+
+    cache = KVCache.for_model(model, 1, max_len)
+    for t in cache.keys + cache.values:
+        torch._dynamo.mark_static_address(t)
+    return torch.compile(decode_step, mode="reduce-overhead", fullgraph=True), cache
+
+
+def generate_hf(model, prompt: List[int], *, max_new_tokens: int, eos_id: Optional[int], temperature: float,
+                top_k: int, top_p: float, generator=None) -> List[int]:
+    """New token ids from transformers' `generate` (its own KV cache), batch 1. A whole
+    GenerationConfig, so the model's own generation_config.json (a sampling default) does not apply."""
+    import torch
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0 else {}
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0 if eos_id is not None else max_new_tokens,
+                              eos_token_id=eos_id, pad_token_id=eos_id if eos_id is not None else 0, use_cache=True,
+                              **sampling)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompts(args) -> List[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    try:
+        with open(args.prompts, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except OSError as exc:
+        raise ConfigError("--prompts", f"cannot read {args.prompts} ({exc.strerror})") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError("--prompts", f"{args.prompts} holds no prompt (one per line)")
+    return prompts
+
+
+def _check(args) -> None:
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ConfigError("--temperature", f"must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise ConfigError("--top-k", f"must be >= 0 (0: off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError("--top-p", f"must be in (0, 1] (1: off), got {args.top_p}")
+    if args.temperature == 0 and (args.top_k or args.top_p < 1):
+        raise ConfigError("--temperature", "0 decodes greedily, so --top-k/--top-p would do nothing",
+                          "a temperature > 0 with them")
+
+
+def run(args) -> int:
+    import torch
+
+    from ..models.llama import kv_cache
+    from . import plain_model, run_tokenizer
+
+    _check(args)
+    prompts = _prompts(args)
+    device = plain_model.pick_device(args.device)
+    dtype = plain_model.pick_dtype(args.dtype, device)
+    # The tokenizer first: a run whose tokenizer cannot be found is refused before its weights load.
+    hf_dir = Path(args.run).expanduser().absolute() if plain_model.is_hf_dir(args.run) else None
+    codec = run_tokenizer.for_run({} if hf_dir else _run_config(args), hf_dir, args.tokenizer)
+    encoded = [_encode(codec, text, args.chat) for text in prompts]
+    pm = plain_model.load(args.run, step=args.step, device=device, dtype=dtype, prog=PROG)
+    if kv_cache.supports(pm.model):
+        generate, vocab = generate_gpt, pm.model.dims.vocab_size
+    elif callable(getattr(pm.model, "generate", None)):  # a transformers model
+        generate, vocab = generate_hf, pm.model.get_input_embeddings().num_embeddings
+    else:
+        raise ConfigError("RUN", f"model={pm.family} has no generation path here", "a model=gpt or model=hf run, "
+                          "or a Hugging Face directory (mfsdp-export --format hf)")
+    if args.compile and generate is not generate_gpt:
+        raise ConfigError("--compile", "compiles the model=gpt decode step; a transformers model decodes with "
+                          "its own generate")
+    eos = None if args.ignore_eos else codec.eos_id
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    top = max(max(ids) for ids in encoded)
+    if top >= vocab:
+        raise ConfigError("--tokenizer", f"{codec.name} gives id {top}, outside the model's vocab of {vocab}")
+    extra = {}
+    if args.compile:  # compiled and warmed up (untimed) before the first prompt
+        step, cache = compiled_decoder(pm.model, max(map(len, encoded)) + args.max_new_tokens)
+        extra = {"step": step, "cache": cache}
+        with torch.inference_mode():
+            generate_gpt(pm.model, encoded[0], max_new_tokens=4, eos_id=None, **extra)
+    where = f"step {pm.step} of {args.run}" if pm.step is not None else str(args.run)
+    for text, ids in zip(prompts, encoded):
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            new = generate(pm.model, ids, max_new_tokens=args.max_new_tokens, eos_id=eos, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, generator=gen, **extra)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        rate = len(new) / seconds if seconds > 0 else float("inf")
+        completion = codec.decode(new)
+        if args.json:
+            print(json.dumps({"prompt": text, "prompt_ids": ids, "ids": new, "completion": completion,
+                              "new_tokens": len(new), "seconds": round(seconds, 4), "tokens_per_s": round(rate, 1),
+                              "source": str(pm.source), "step": pm.step}), flush=True)
+        else:
+            print(completion if args.chat else text + completion, flush=True)
+            print(f"{PROG}: {len(new)} new tokens in {seconds:.2f} s ({rate:,.1f} tokens/s; {len(ids)}-token prompt; "
+                  f"{where}; {device.type} {str(dtype).replace('torch.', '')})", flush=True)
+    return 0
+
+
+def _encode(codec, text: str, chat: bool) -> List[int]:
+    ids = codec.chat(text) if chat else codec.encode(text)
+    if not ids:
+        raise ConfigError("--prompt", f"{text!r} encodes to no tokens")
+    return ids
+
+
+def _run_config(args) -> dict:
+    """The run's config from the manifest of the checkpoint that will load (cheap: no tensors)."""
+    from ..checkpoint import resolve_checkpoint
+    from .plain_model import step_dir
+
+    found = resolve_checkpoint(step_dir(args.run, args.step), key="RUN")
+    return found.manifest.get("config") or {}
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Generate text from a run's checkpoint or a Hugging Face directory.")
+    p.add_argument("run", metavar="RUN_OR_DIR", help="run dir, checkpoints/ or step_<N> dir, or an HF directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest ids (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json, or a directory with tokenizer_config.json")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--compile", action="store_true",
+                   help="model=gpt: torch.compile the decode step (reduce-overhead: a CUDA graph on a GPU)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    from ..checkpoint.errors import CheckpointError, dcp_failures, describe
+
+    try:
+        return run(args)
+    except (ConfigError, CheckpointError) as exc:
+        eprint(f"{PROG}: error: {exc}")
+        return 2
+    except dcp_failures() as exc:
+        eprint(f"{PROG}: error: {describe(exc)}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Non-finite steps through the CLI (rank/step_guard.py): a user's model returns NaN logits at
+chosen forward calls, on one rank only. A bad step is skipped on every rank alike (the weights of
+both FSDP shards unchanged across it), counted in metrics, and never committed; bad steps in a row
+roll back to the last checkpoint before them and training goes on; bad steps that persist after
+train.max_rollbacks stop the run with one line naming the step and exit code 5. (And, in the same
+run to save a start-up, a data=text token cache damaged at the same size is rebuilt by the
+launcher before the ranks open it.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import cli, read_metrics, train_rows, write_user_module
+
+torch = pytest.importorskip("torch")
+
+NAN_MODULE = "mfsdp_test_nanmodel"
+# The README's model, whose forward returns NaN logits at the 1-based training calls listed in $NAN_CALLS
+# ("4-" means from call 4 on), on the rank $NAN_RANK only (every rank when unset). A call counter,
+# not the step: after a rollback the replayed steps are clean unless listed again.
+NAN_SOURCE = '''
+import os
+
+import torch.nn as nn
+
+CALLS = [0]
+
+
+def _bad(call):
+    rank = os.environ.get("NAN_RANK")
+    if rank is not None and rank != os.environ.get("RANK", "0"):
+        return False
+    for part in os.environ.get("NAN_CALLS", "").split(","):
+        if part.endswith("-") and call >= int(part[:-1]):
+            return True
+        if part and not part.endswith("-") and call == int(part):
+            return True
+    return False
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        return x + self.ff(self.norm(x))
+
+
+class LM(nn.Module):
+    def __init__(self, vocab=256, dim=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if logits.is_meta or not self.training:  # a probe of the model, not a training step
+            return logits
+        CALLS[0] += 1
+        return logits * float("nan") if _bad(CALLS[0]) else logits
+
+
+def build():
+    return LM()
+'''
+
+RUN = ["+recipe=cpu_smoke", "model=custom", f"model.target={NAN_MODULE}:build",
+       f"model.fsdp_unit_modules=[{NAN_MODULE}.Block]", "train.progress=false", "train.seq_len=16",
+       "train.micro_batch_size=2", "train.grad_accum_steps=1", "data.max_bytes=200000", "optim.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def nan_env(tmp_path_factory):
+    return write_user_module(tmp_path_factory.mktemp("nan_code"), NAN_SOURCE, NAN_MODULE)
+
+
+def weights(run_dir, step):
+    from mfsdp_launch.checkpoint.weights import read_model_state
+
+    return read_model_state(run_dir / "checkpoints" / f"step_{step}")[0]
+
+
+def same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_bad_steps_on_one_rank_are_skipped_alike_then_rolled_back_and_never_saved(tmp_path, nan_env):
+    run = tmp_path / "run"
+    # Rank 1's forward is NaN at step 2, then at steps 5, 6, 7: three in a row roll back to step 4.
+    # Log rows only every 5 steps: the bad steps are not log steps (they used to be committed).
+    out = cli(*RUN, f"run.dir={run}", "train.steps=9", "train.log_interval=4", "checkpoint.interval=1",
+              "checkpoint.keep_last=20", env={**nan_env, "NAN_CALLS": "2,5,6,7", "NAN_RANK": "1"}, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "step 2: loss nan, grad norm nan (non-finite loss on 1 rank(s)): skipped" in out.stdout, out.stdout
+    assert "step 7: loss nan, grad norm nan (non-finite loss on 1 rank(s)): 3 bad steps in a row since step 5, " \
+           "rolling back" in out.stdout
+    assert "rolled back to step 4 (rollback 1 of train.max_rollbacks=2)" in out.stdout
+
+    # Both ranks skipped step 2: the weights of both shards are those of step 1; step 3 trains on.
+    w1, w2, w3 = (weights(run, s) for s in (1, 2, 3))
+    assert same(w1, w2) and not same(w2, w3)
+    # No committed checkpoint holds a non-finite weight (steps 5, 6 held step 4's, then were trained again).
+    steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
+    assert steps == list(range(1, 10))
+    for s in steps:
+        assert all(torch.isfinite(t).all() for t in weights(run, s).values()), s
+    assert not same(weights(run, 4), weights(run, 5))  # step 5 trained again after the rollback
+
+    rows = train_rows(run)
+    assert rows[4]["skipped_steps"] == 1 and rows[4]["bad_steps"] == 0
+    assert (rows[9]["skipped_steps"], rows[9]["rollbacks"], rows[9]["bad_steps"]) == (4, 1, 0)
+    assert all(r["loss"] == r["loss"] for r in rows.values())  # finite: bad steps are not averaged in
+    trainer = json.loads((run / "checkpoints" / "step_9" / "trainer.json").read_text())
+    assert trainer["train_state"]["skipped_steps"] == 4 and trainer["train_state"]["rollbacks"] == 1
+
+
+@pytest.mark.slow
+def test_bad_steps_after_the_last_rollback_stop_the_run_with_one_line_and_exit_code_5(tmp_path, nan_env):
+    from mfsdp_launch.core import exit_codes
+    from mfsdp_launch.core.schema import DataConfig
+    from mfsdp_launch.data import build_token_cache
+
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    # The run's token cache, built here and damaged: one byte flipped, the size unchanged.
+    cache_dir, _ = build_token_cache(DataConfig(name="text", max_bytes=200000, cache_dir=str(cache)))
+    shard = Path(cache_dir) / "shard_000000.bin"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:1000] + bytes([good[1000] ^ 1]) + good[1001:])
+    # NaN from step 4 on: steps 4, 5 roll back to step 2 (step 4's save is inside the streak),
+    # with the LR halved; steps 3, 4 are bad again and train.max_rollbacks=1 is spent.
+    out = cli(*RUN, f"run.dir={run}", "train.steps=20", "train.log_interval=1", "checkpoint.interval=2",
+              "train.max_bad_steps=2", "train.max_rollbacks=1", "train.rollback_lr_scale=0.5",
+              "launcher.nproc_per_node=1", "mesh.dp_shard=1", f"data.cache_dir={cache}",
+              env={**nan_env, "NAN_CALLS": "4-"}, timeout=300)
+    assert out.returncode == exit_codes.DIVERGED == 5, out.stdout[-3000:] + out.stderr[-3000:]
+    # The launcher rebuilt the cache: the rank found it intact (its log has no such warning).
+    assert out.stderr.count(f"the token cache {cache_dir} was damaged ({shard} checksum") == 1, out.stderr
+    assert shard.read_bytes() == good and "damaged" not in (run / "logs" / "rank0.stderr.log").read_text()
+    assert "Traceback" not in out.stdout + out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("mfsdp-train: error:")]
+    assert errors == ["mfsdp-train: error: training diverged at step 4: 2 bad steps in a row since step 3 "
+                      "(loss nan, grad norm nan (non-finite loss on 1 rank(s))) after 1 rollback(s) "
+                      "(train.max_rollbacks=1)"], out.stderr
+    assert "rolled back to step 2 (rollback 1 of train.max_rollbacks=1); LR x0.5 from now on" in out.stdout
+    assert "mfsdp-train: diverged at step" in out.stderr and "exit code 5" in out.stderr
+    # The undone steps' rows are set aside, not lost; metrics.jsonl holds the one timeline.
+    undone = [json.loads(line) for line in (run / "metrics.rolled_back.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in undone] == [3, 4]
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["lr"] == rows[1]["lr"] * 0.5  # back at step 2's LR, halved
+    for s in (2, 4):  # step 4's save held step 3's weights: intact and finite
+        assert all(torch.isfinite(t).all() for t in weights(run, s).values())

@@ -1,0 +1,118 @@
+"""optim.schedule: each LR curve against its formula, the default unchanged; optim.impl's AdamW
+kernels; Muon's Newton-Schulz step; and the refusals of the optimizer keys before anything is
+spawned. Muon sharded under FSDP2 and resumed at another world size: test_muon_dist.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from helpers import refused
+from mfsdp_launch.components.schedule import build_scheduler, lr_at, wsd_decay_start
+from mfsdp_launch.core.schema import OptimConfig
+
+
+def _curve(cfg: OptimConfig, total: int):
+    return [lr_at(s, cfg, total) for s in range(total)]
+
+
+def test_wsd_is_warmup_stable_then_linear_decay():
+    cfg = OptimConfig(schedule="wsd", lr=1.0, min_lr_ratio=0.1, warmup_steps=4, decay_steps=None, decay_fraction=0.25)
+    total = 40
+    start = total - round(0.25 * total)  # 30
+    assert wsd_decay_start(cfg, total) == start
+    expected = ([(s + 1) / 4 for s in range(4)] + [1.0] * (start - 4)
+                + [1.0 - 0.9 * (s - start) / (total - start) for s in range(start, total)])
+    assert _curve(cfg, total) == pytest.approx(expected, abs=1e-12)
+    assert lr_at(total, cfg, total) == pytest.approx(0.1)  # the floor, and it stays there
+    assert lr_at(total + 7, cfg, total) == pytest.approx(0.1)
+    # decay_steps sets the schedule's length independently of train.steps
+    long = OptimConfig(schedule="wsd", lr=2.0, min_lr_ratio=0.0, warmup_steps=0, decay_steps=100, decay_fraction=0.1)
+    assert lr_at(89, long, 10) == 2.0 and lr_at(90, long, 10) == 2.0 and lr_at(95, long, 10) == pytest.approx(1.0)
+
+
+def test_the_default_is_the_cosine_it_was_and_the_others_follow_their_formula():
+    cfg = OptimConfig(lr=3e-4, warmup_steps=10, min_lr_ratio=0.1)
+    assert str(cfg.schedule) == "cosine"
+    floor = 3e-5
+    for s in (10, 37, 99):
+        p = (s - 10) / 90
+        assert lr_at(s, cfg, 100) == pytest.approx(floor + 0.5 * (3e-4 - floor) * (1 + math.cos(math.pi * p)))
+    lin = OptimConfig(schedule="linear", lr=1.0, warmup_steps=2, min_lr_ratio=0.5)
+    assert _curve(lin, 12)[2:] == pytest.approx([1.0 - 0.5 * (s - 2) / 10 for s in range(2, 12)])
+    const = OptimConfig(schedule="constant", lr=0.5, warmup_steps=2)
+    assert _curve(const, 6) == pytest.approx([0.25, 0.5, 0.5, 0.5, 0.5, 0.5])
+
+
+def test_the_scheduler_steps_through_the_same_curve():
+    import torch
+
+    cfg = OptimConfig(schedule="wsd", lr=0.1, warmup_steps=2, decay_fraction=0.5)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    sched = build_scheduler(opt, cfg, 8)
+    seen = []
+    for _ in range(8):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx(_curve(cfg, 8), abs=1e-15)
+
+
+@pytest.mark.parametrize("impl,flag", [("fused", "fused"), ("foreach", "foreach")])
+def test_optim_impl_picks_the_adamw_kernel(impl, flag):
+    import torch
+
+    from mfsdp_launch.components.optim import build_optimizer
+
+    opt = build_optimizer(torch.nn.Linear(4, 4), OptimConfig(impl=impl))
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults[flag] is True
+    assert build_optimizer(torch.nn.Linear(4, 4), OptimConfig()).defaults["fused"] is None  # torch's own choice
+
+
+def test_newton_schulz_orthogonalizes_and_one_muon_step_follows_its_formula():
+    import torch
+
+    from mfsdp_launch.components.muon import orthogonalize, update_scale
+    from mfsdp_launch.components.optim import build_optimizer
+
+    g = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))
+    o = orthogonalize(g)
+    s = torch.linalg.svdvals(o)
+    assert 0.5 < s.min() and s.max() < 1.5  # the quintic's S' ~ U(0.5, 1.5), not exactly 1
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    assert torch.nn.functional.cosine_similarity(o.flatten(), (u @ vh).flatten(), dim=0) > 0.95
+    lin = torch.nn.Linear(32, 96, bias=False)
+    w0 = lin.weight.detach().clone()
+    cfg = OptimConfig(name="muon", lr=0.02, weight_decay=0.1, muon_momentum=0.9)
+    opt = build_optimizer(lin, cfg)
+    lin.weight.grad = g.clone()
+    opt.step()
+    mixed = g.lerp(0.1 * g, 0.9)  # Nesterov: g + mu * (B - g) with B = (1 - mu) g after one step
+    expect = w0 * (1 - 0.02 * 0.1) - 0.02 * update_scale(g.shape) * orthogonalize(mixed)
+    assert torch.allclose(lin.weight, expect, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["optim.name=muon", "engine=megatron_fsdp"], "optim.name"),
+    (["optim.name=muon", "optim.impl=foreach"], "optim.impl"),
+    (["optim.name=muon", "optim.muon_momentum=1"], "optim.muon_momentum"),
+    (["optim.muon_momentum=0.9"], "optim.muon_momentum"),  # read by muon only
+    (["optim.decay_fraction=0.5"], "optim.decay_fraction"),  # read by wsd only
+    (["optim.schedule=wsd", "optim.decay_fraction=0"], "optim.decay_fraction"),
+    (["optim.decay_steps=0"], "optim.decay_steps"),
+    (["optim.schedule=exponential"], "optim.schedule"),
+    (["optim.name=sgd"], "optim.name"),
+])
+def test_optimizer_keys_are_refused_in_one_line(overrides, key):
+    err = refused(*overrides)
+    assert err.key == key and "\n" not in str(err), str(err)
+
+
+def test_a_resume_that_changes_the_optimizer_is_refused_but_its_weights_load():
+    from mfsdp_launch.checkpoint.manifest import incompatibilities
+
+    now, saved = {"config": {"optim": {"name": "muon"}}}, {"config": {"optim": {}}}  # saved before the key: adamw
+    assert incompatibilities(now, saved, weights_only=False) == [("optim.name", "muon", "adamw")]
+    assert incompatibilities(now, saved, weights_only=True) == []
+    assert incompatibilities({"config": {"optim": {"name": "adamw"}}}, saved, weights_only=False) == []
