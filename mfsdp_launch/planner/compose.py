@@ -7,6 +7,8 @@ ranks see different configs.
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from pathlib import Path
 from typing import Iterable, List, Optional
@@ -79,7 +81,7 @@ def finalize(cfg: DictConfig) -> DictConfig:
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
-        typed = OmegaConf.merge(typed_schema(container), container)
+        typed = OmegaConf.merge(_schema_for(container), container)  # merge copies the schema
     except ConfigError:  # an unknown model or engine name: already one line naming its key
         raise
     except Exception as exc:
@@ -89,12 +91,26 @@ def finalize(cfg: DictConfig) -> DictConfig:
 
 
 def typed_schema(container: dict) -> DictConfig:
-    """The schema with each section typed by what the config chose (the model family's section)."""
+    """The schema with each section typed by what the config chose (the model family's section):
+    a new object the caller may change."""
+    return copy.deepcopy(_schema_for(container))
+
+
+def _schema_for(container: dict) -> DictConfig:
+    """The cached typed schema for `container`'s model and engine; never to be changed."""
+    fields = Config.__dataclass_fields__
+    model = (container.get("model") or {}).get("name", fields["model"].default_factory().name)
+    engine = (container.get("engine") or {}).get("name", fields["engine"].default_factory().name)
+    return _typed_schema(str(model), str(engine))
+
+
+@functools.lru_cache(maxsize=None)
+def _typed_schema(model: str, engine: str) -> DictConfig:
+    # Building it is a fifth of a compose; OmegaConf.merge copies its first argument, so the
+    # cached object is never changed by a caller that merges into it.
     schema = OmegaConf.structured(Config)
-    model = (container.get("model") or {}).get("name", schema.model.name)
-    engine = (container.get("engine") or {}).get("name", schema.engine.name)
-    return OmegaConf.merge(schema, {"model": OmegaConf.structured(section_of(str(model))),
-                                    "engine": OmegaConf.structured(engine_caps(str(engine)).section)})
+    return OmegaConf.merge(schema, {"model": OmegaConf.structured(section_of(model)),
+                                    "engine": OmegaConf.structured(engine_caps(engine).section)})
 
 
 def load_frozen(path: str | Path) -> DictConfig:

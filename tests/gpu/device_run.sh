@@ -36,7 +36,8 @@ start=$(date +%s)
 } 2>&1 | tee "$log"
 # Ranks a killed test left behind would share the GPUs with the next run (and skew a benchmark).
 reap() { pkill -9 -f "mfsdp_launch|torch.distributed.run|bare_loop.py" 2>/dev/null; sleep 2; }
-PYTEST="python3 -m pytest -p no:cacheprovider -q -m gpu"
+# The device has no pytest-xdist: drop pyproject's `-n auto` (GPU tests run one at a time anyway).
+PYTEST="python3 -m pytest -o addopts=-ra -p no:cacheprovider -q -m gpu"
 SMOKE="test_first_updates_equal_plain_adamw or test_resume or test_fully_shard_ez or test_model_with_frozen or test_fully_shard_custom_dtype"
 case "$phase" in
   smoke)
@@ -54,7 +55,7 @@ case "$phase" in
   bench)  # BENCH: bench.py arguments, e.g. BENCH="--group ac_peak --group ac8b"
     timeout -k 10 "$budget" python3 scripts/bench.py ${BENCH:?BENCH} 2>&1 | tee -a "$log" ;;
   one_gpu)  # the one-GPU tier; ONE_GPU_ARGS adds pytest arguments (e.g. -k ..., or files)
-    timeout -k 10 "$budget" python3 -m pytest -p no:cacheprovider -q -m "gpu and not multi_gpu" \
+    timeout -k 10 "$budget" python3 -m pytest -o addopts=-ra -p no:cacheprovider -q -m "gpu and not multi_gpu" \
       ${ONE_GPU_ARGS:-tests/gpu} 2>&1 | tee -a "$log"; reap ;;
   generate)  # scripts/bench_generate.py: mfsdp-generate on the 1.4b gpt (issue 29), then fsdp_bf16 as shipped
     timeout -k 10 "$budget" python3 scripts/bench_generate.py --run-dir /tmp/gen14 > "$OUT/generate.json" 2>>"$log"
