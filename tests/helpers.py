@@ -64,6 +64,18 @@ def cli_ok(*args: str, **kw) -> subprocess.CompletedProcess:
     return out
 
 
+# A fast cpu_smoke run: short sequences, a small slice of the stdlib text, a row every step.
+SMOKE = ["+recipe=cpu_smoke", "train.log_interval=1", "train.progress=false", "train.seq_len=64",
+         "data.max_bytes=2000000"]
+
+
+def smoke_run(run_dir, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
+    """A SMOKE run in `run_dir`, asserting its exit code (the failure shows the output's tails)."""
+    out = cli(*SMOKE, f"run.dir={run_dir}", *overrides, timeout=300)
+    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
 def start_cli(*args: str, env=None, **popen) -> subprocess.Popen:
     """The launcher started in the background (text mode; pass stdout/stderr)."""
     full_env = cli_env()
@@ -115,6 +127,29 @@ def train_rows(run_dir) -> dict:
 def losses(run_dir) -> dict:
     """{step: loss} of the training rows."""
     return {step: r["loss"] for step, r in train_rows(run_dir).items()}
+
+
+def one_process_checkpoints(run_dir, sizes=(64, 256, 8), lr=1e-3, **checkpoint_keys):
+    """(model, AdamW, TrainState, CheckpointManager) of a seeded MLP of `sizes` (in, hidden, out) in
+    this process: real DCP under FSDP2Engine with no mesh, the manager over `run_dir`."""
+    import torch
+    import torch.nn as nn
+
+    from mfsdp_launch import checkpoint
+    from mfsdp_launch.core.schema import CheckpointConfig
+    from mfsdp_launch.engines.fsdp2 import FSDP2Engine
+    from mfsdp_launch.rank.loop import TrainState
+
+    torch.manual_seed(0)
+    d_in, hidden, d_out = sizes
+    model = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    engine = FSDP2Engine(engine_cfg=None, sharding_cfg=None, precision_cfg=None, dims=None, mesh=None,
+                         device=torch.device("cpu"))
+    info = {"model": {"name": "mlp", "shape": {"hidden": hidden}}, "engine": {"name": "fsdp2"}, "seed": 3}
+    mgr = checkpoint.CheckpointManager(CheckpointConfig(**checkpoint_keys), run_dir, manifest_info=info, rank=0,
+                                       world_size=1, engine=engine)
+    return model, opt, TrainState(), mgr
 
 
 # ------------------------------------------------------------------------------ a user's module

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..core import rundir
-from ..core.console import eprint
 from ..core.errors import ConfigError
+from .tool_cli import OneLineParser, run_tool
 
 PROG = "mfsdp-eval"
 
@@ -139,14 +139,8 @@ def run(args) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Loss and perplexity of a run's checkpoint(s) on a prepared token set.")
+    p = OneLineParser(prog=PROG, description="Loss and perplexity of a run's checkpoint(s) on a prepared token set.")
     p.add_argument("run", metavar="RUN", help="run dir, checkpoints/ or step_<N> dir")
     p.add_argument("--data", required=True, metavar="TOKEN_SET", help="a prepared token set (what data=tokens reads)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
@@ -164,16 +158,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
-    from ..checkpoint.errors import CheckpointError, dcp_failures, describe
-
-    try:
-        return run(args)
-    except (ConfigError, CheckpointError) as exc:
-        eprint(f"{PROG}: error: {exc}")
-        return 2
-    except dcp_failures() as exc:
-        eprint(f"{PROG}: error: {describe(exc)}")
-        return 2
+    return run_tool(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

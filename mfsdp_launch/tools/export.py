@@ -15,7 +15,6 @@ is verified first. Bad input, a damaged or unreadable checkpoint: one line on st
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -23,9 +22,9 @@ from typing import TYPE_CHECKING, List, Optional
 
 from ..core import storage
 from ..core.atomic_io import atomic_write_path
-from ..core.console import eprint
 from ..checkpoint.weights import read_model_state
 from ..core.errors import ConfigError
+from .tool_cli import OneLineParser, run_tool
 
 if TYPE_CHECKING:
     pass
@@ -113,14 +112,8 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "as_
             "params": n_params, "format": fmt, "bytes": out.stat().st_size}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would print the usage too)
-        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="mfsdp-export",
         description="Write a committed checkpoint's model weights to one safetensors/torch file.")
     parser.add_argument("ckpt", metavar="CKPT_DIR", help="step_<N> directory, checkpoints/ or run directory")
@@ -130,19 +123,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="default: from OUT's extension (.safetensors, .pt/.pth/.bin: torch); hf: OUT is a Hugging Face "
                              "directory")
     args = parser.parse_args(argv)
-    from ..checkpoint.errors import CheckpointError, dcp_failures, describe
 
-    try:
+    def body() -> int:
         info = export(args.ckpt, args.out, dtype=args.dtype, fmt=args.format)
-    except (ConfigError, CheckpointError) as exc:
-        eprint(f"mfsdp-export: error: {exc}")
-        return 2
-    except dcp_failures() as exc:  # a damaged shard, an unreadable file (DCP's BaseException too): one line
-        eprint(f"mfsdp-export: error: {describe(exc)}")
-        return 2
-    print(f"mfsdp-export: wrote {info['tensors']} tensors ({info['params']:,} parameters) of step "
-          f"{info['step']} to {info['path']} ({info['format']}, {info['bytes'] / 1e6:.1f} MB)")
-    return 0
+        print(f"mfsdp-export: wrote {info['tensors']} tensors ({info['params']:,} parameters) of step "
+              f"{info['step']} to {info['path']} ({info['format']}, {info['bytes'] / 1e6:.1f} MB)")
+        return 0
+
+    return run_tool("mfsdp-export", body)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ..core.console import eprint
 from ..core.errors import ConfigError
+from .tool_cli import OneLineParser, run_tool
 
 PROG = "mfsdp-generate"
 
@@ -210,14 +210,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Generate text from a run's checkpoint or a Hugging Face directory.")
+    p = OneLineParser(prog=PROG, description="Generate text from a run's checkpoint or a Hugging Face directory.")
     p.add_argument("run", metavar="RUN_OR_DIR", help="run dir, checkpoints/ or step_<N> dir, or an HF directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
@@ -241,16 +235,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
-    from ..checkpoint.errors import CheckpointError, dcp_failures, describe
-
-    try:
-        return run(args)
-    except (ConfigError, CheckpointError) as exc:
-        eprint(f"{PROG}: error: {exc}")
-        return 2
-    except dcp_failures() as exc:
-        eprint(f"{PROG}: error: {describe(exc)}")
-        return 2
+    return run_tool(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

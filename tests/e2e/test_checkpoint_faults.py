@@ -14,12 +14,10 @@ import subprocess
 
 import pytest
 
-from helpers import cli, read_metrics
+from helpers import SMOKE, cli, one_process_checkpoints, read_metrics
 from mfsdp_launch import checkpoint as C
 from mfsdp_launch.core.errors import ConfigError
 
-SMOKE = ["+recipe=cpu_smoke", "train.log_interval=1", "train.progress=false", "train.seq_len=64",
-         "data.max_bytes=2000000"]
 
 
 # =============================================================================== helpers
@@ -87,22 +85,7 @@ def intact(step_dir) -> bool:
 
 
 def _tiny(run_dir, **ck):
-    import torch
-    import torch.nn as nn
-
-    from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.rank.loop import TrainState
-    from mfsdp_launch.core.schema import CheckpointConfig
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = FSDP2Engine(engine_cfg=None, sharding_cfg=None, precision_cfg=None, dims=None, mesh=None,
-                         device=torch.device("cpu"))
-    info = {"model": {"name": "mlp", "shape": {"hidden": 256}}, "engine": {"name": "fsdp2"}, "seed": 3}
-    mgr = C.CheckpointManager(CheckpointConfig(**ck), run_dir, manifest_info=info, rank=0, world_size=1,
-                              engine=engine)
-    return model, opt, TrainState(), mgr
+    return one_process_checkpoints(run_dir, sizes=(64, 256, 8), lr=1e-3, **ck)
 
 
 def _train(model, opt, ts, mgr, steps):

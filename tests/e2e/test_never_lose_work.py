@@ -9,18 +9,11 @@ import json
 
 import pytest
 
-from helpers import cli, cli_error, read_metrics
+from helpers import SMOKE, cli, cli_error, read_metrics, smoke_run
 
 pytestmark = pytest.mark.slow
 
-SMOKE = ["+recipe=cpu_smoke", "train.log_interval=1", "train.progress=false", "train.seq_len=64",
-         "data.max_bytes=2000000"]
-
-
-def run(run_dir, *overrides, expect=0):
-    out = cli(*SMOKE, f"run.dir={run_dir}", *overrides, timeout=300)
-    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
+run = smoke_run
 
 
 def steps_in(folder):

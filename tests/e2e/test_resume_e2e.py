@@ -9,18 +9,11 @@ import time
 import pytest
 import torch
 
-from helpers import cli, read_metrics, start_cli
+from helpers import SMOKE, cli, read_metrics, smoke_run, start_cli
 
 pytestmark = pytest.mark.slow
 
-SMOKE = ["+recipe=cpu_smoke", "train.log_interval=1", "train.progress=false", "train.seq_len=64",
-         "data.max_bytes=2000000"]
-
-
-def run(run_dir, *overrides, expect=0):
-    out = cli(*SMOKE, f"run.dir={run_dir}", *overrides, timeout=300)
-    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
+run = smoke_run
 
 
 def exported(run_dir, tmp_path, name):

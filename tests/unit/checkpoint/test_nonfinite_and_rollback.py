@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import one_process_checkpoints
 from mfsdp_launch import checkpoint as C
 from mfsdp_launch.checkpoint.errors import CheckpointError
 
@@ -13,21 +14,9 @@ torch = pytest.importorskip("torch")
 
 
 def _tiny(run_dir, **ck):
-    import torch.nn as nn
-
-    from mfsdp_launch.core.schema import CheckpointConfig
-    from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.rank.loop import TrainState
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = FSDP2Engine(engine_cfg=None, sharding_cfg=None, precision_cfg=None, dims=None, mesh=None,
-                         device=torch.device("cpu"))
-    info = {"model": {"name": "mlp", "shape": {"hidden": 16}}, "engine": {"name": "fsdp2"}, "seed": 3}
-    mgr = C.CheckpointManager(CheckpointConfig(**ck), run_dir, manifest_info=info, rank=0, world_size=1, engine=engine)
-    mgr.resume(model, opt, None, TrainState())
-    return model, opt, TrainState(), mgr
+    model, opt, ts, mgr = one_process_checkpoints(run_dir, sizes=(8, 16, 4), lr=1e-2, **ck)
+    mgr.resume(model, opt, None, type(ts)())  # a fresh state of its own, as the loop's
+    return model, opt, ts, mgr
 
 
 def _step(model, opt, ts, mgr, step, **kw):
