@@ -1,7 +1,14 @@
-"""The 4-D device mesh (dp_outer, dp_shard, cp, tp) and its flattened dims.
+"""The 4-D device mesh (dp_outer, dp_shard, cp, tp) and its flattened dims, and the expert mesh.
 
 Degrees are validated first (pure Python, used by the dry run); the torch DeviceMesh is built
-lazily, in `build`, the only place that touches torch's private `_flatten`.
+lazily, in `build`, `build_expert_mesh` and `expert_hsdp_mesh`, the only places that touch
+torch's private `_flatten` / `_unflatten`.
+
+Expert parallelism (`mesh.ep`) is no mesh dimension of its own: it borrows from dp_shard x cp, as
+torchtitan and Megatron-Core do. The dp_shard x cp ranks of a replica (flattened, cp fastest) split
+into `ep`-sized consecutive groups, the ep groups, which hold different experts and trade tokens;
+the ranks at the same place of each ep group form the expert-data-parallel (edp) group, which
+shards (FSDP) and averages one set of experts. Dense weights keep their dp_shard x cp sharding.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class ParallelDims:
     dp_shard: int
     cp: int
     tp: int
+    ep: int = 1  # borrows from dp_shard x cp (the module docstring)
 
     @classmethod
     def from_config(cls, mesh_cfg, world_size: int) -> "ParallelDims":
@@ -60,7 +68,12 @@ class ParallelDims:
                 f"(launcher.nnodes * launcher.nproc_per_node)",
                 f"degrees whose product is {world_size}, or mesh.dp_shard=-1",
             )
-        return cls(**sizes)
+        ep = int(getattr(mesh_cfg, "ep", 1))
+        shard = sizes["dp_shard"] * sizes["cp"]
+        if ep < 1 or shard % ep:
+            raise ConfigError("mesh.ep", f"{ep} does not divide mesh.dp_shard*mesh.cp = {shard} (expert "
+                              "parallelism borrows those ranks)", f"a divisor of {shard}")
+        return cls(**sizes, ep=ep)
 
     @property
     def shape(self) -> Tuple[int, int, int, int]:
@@ -83,6 +96,24 @@ class ParallelDims:
     @property
     def dp_shard_dim(self) -> str:
         return "dp_shard_cp" if self.cp > 1 else "dp_shard"
+
+    @property
+    def edp(self) -> int:
+        """Ranks of a replica that hold (and shard) the same experts: dp_shard x cp / ep."""
+        return self.shard_size // self.ep
+
+    def expert_groups_of(self, rank: int) -> Dict[str, List[int]]:
+        """{"ep": the ranks trading tokens with `rank`, "edp": those sharing its experts within its
+        replica (dp_outer extends it across replicas, as for dense weights)}."""
+        c = self.coords(rank)
+        flat = c["dp_shard"] * self.cp + c["cp"]  # position in the flattened dp_shard x cp dim
+        base = flat - flat % self.ep
+
+        def rank_at(position: int) -> int:
+            return self._rank_of(dict(c, dp_shard=position // self.cp, cp=position % self.cp))
+
+        return {"ep": [rank_at(base + i) for i in range(self.ep)],
+                "edp": sorted(rank_at(flat % self.ep + j * self.ep) for j in range(self.edp))}
 
     def coords(self, rank: int) -> Dict[str, int]:
         """Row-major coordinates, the layout init_device_mesh uses."""
@@ -147,6 +178,19 @@ class ParallelDims:
         for name, dims in FLATTENED.items():
             mesh[dims]._flatten(name)
         return mesh
+
+
+def build_expert_mesh(mesh, dims: ParallelDims):
+    """The expert mesh (dp_outer, edp, ep) from the same root as `mesh`: the dp_shard x cp dim
+    unflattened into (edp, ep), ep fastest (the module docstring). DTensor expert weights placed
+    on its "ep" dim and FSDP over its "edp" (or "dp_outer", "edp") dims compose as TP and FSDP do."""
+    sub = mesh["dp_outer", dims.dp_shard_dim]
+    return sub._unflatten(1, (dims.edp, dims.ep), ("edp", "ep"))
+
+
+def expert_hsdp_mesh(expert_mesh):
+    """The expert mesh's (dp_outer, edp) dims flattened: every rank holding the same experts."""
+    return expert_mesh["dp_outer", "edp"]._flatten("dp_outer_edp")
 
 
 def replicate_mesh(mesh, dim: str = "dp"):

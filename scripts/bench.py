@@ -43,8 +43,17 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench"
 
 
+# model=hf shapes that no gpt preset has: Llama-3.2-1B (tied embeddings, 128k vocabulary).
+HF_SHAPES = {"llama3.2_1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                                 rope_theta=500000.0, max_position_embeddings=131072)}
+
+
 def hf_llama_config(preset: str) -> dict:
-    """The LlamaConfig fields of a gpt preset's dims (one mapping: mfsdp_launch/models/llama/hf_config.py)."""
+    """The LlamaConfig fields of a gpt preset's dims (one mapping: mfsdp_launch/models/llama/hf_config.py),
+    or of an HF_SHAPES entry."""
+    if preset in HF_SHAPES:
+        return dict(HF_SHAPES[preset])
     from types import SimpleNamespace
 
     sys.path.insert(0, str(ROOT))
@@ -83,15 +92,15 @@ def _env(extra: dict = None):
 
 
 def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: Path) -> list:
-    if e["model"] == "hf":  # the preset's dims as an HF config
-        model_args = ["model=hf", "model.hf_class=LlamaForCausalLM",
-                      f"model.hf_config={hydra_dict(hf_llama_config(e['preset']))}"]
+    if e["model"] == "hf":  # the preset's dims as an HF config (n_layers: its num_hidden_layers)
+        fields = dict(hf_llama_config(e["preset"]), **({"num_hidden_layers": e["n_layers"]} if e.get("n_layers") else {}))
+        model_args = ["model=hf", "model.hf_class=LlamaForCausalLM", f"model.hf_config={hydra_dict(fields)}"]
     else:
         model_args = [f"model={e['model']}", f"model.preset={e['preset']}"]
     dp_outer, outer = e.get("outer", (1, "no_shard"))  # HSDP/HFSDP: (dp_outer, outer strategy)
     args = [
         f"engine={e['engine']}", *model_args, "model.init_on_meta=true",
-        "data=synthetic", f"train.steps={steps}", f"train.log_interval={log_interval}",
+        *data_args(e), f"train.steps={steps}", f"train.log_interval={log_interval}",
         f"train.seq_len={e['seq']}", f"train.micro_batch_size={e['mbs']}", "train.progress=false",
         "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "precision.main_grads_dtype=fp32",
         f"sharding.zero_dp_strategy={e.get('zero', 3)}", f"sharding.outer_dp_sharding_strategy={outer}",
@@ -101,8 +110,10 @@ def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: P
     ]
     if e["model"] == "te_gpt":
         args.append("model.params_dtype=bf16")
-    if e.get("n_layers"):
+    if e.get("n_layers") and e["model"] != "hf":
         args.append(f"model.n_layers={e['n_layers']}")
+    if e.get("peft"):  # LoRA over a pretrained (here: random) bf16 base of the same dims
+        args += [f"model.init_from={lora_base(e)}", f"model.peft={e['peft']}"]
     if e.get("ac", "none") != "none":
         args.append(f"model.activation_checkpointing={e['ac']}")
     if e.get("ga", 1) != 1:
@@ -112,10 +123,97 @@ def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: P
         args.append(f"model.ac_every={e['ac_every']}")
     if e.get("force"):  # measure what happens past the pre-spawn memory check
         args.append("launcher.force_memory=true")
-    if e["precision"] != "bf16":
+    if e["precision"].startswith("torchao_"):  # torchao float8 (no TE, engine=fsdp2): the recipe alone
+        args.append(f"fp8.recipe={e['precision']}")
+    elif e["precision"] != "bf16":
         args += [f"fp8.recipe={e['precision']}", f"fp8.params={str(e['fp8_params']).lower()}",
                  f"engine.keep_fp8_transpose_cache={str(e['fp8_params']).lower()}"]
     return args
+
+
+def lora_base(e: dict) -> Path:
+    """Where an entry with `peft` finds its base: a Llama directory of its dims in the temp dir."""
+    return Path(tempfile.gettempdir()) / f"bench-lora-base-{e['preset']}-l{e.get('n_layers') or 'all'}"
+
+
+def write_lora_base(e: dict) -> Path:
+    """The entry's base, random N(0, 0.02) bf16 weights (norms 1), written once (drawn on the GPU)."""
+    out = lora_base(e)
+    if (out / "config.json").is_file():
+        return out
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from mfsdp_launch.models.llama import hf_keys
+    from mfsdp_launch.models.llama.dims import resolve_gpt_dims
+    from mfsdp_launch.models.llama.hf_config import llama_config
+    from mfsdp_launch.models.llama.hf_export import write_hf_dir
+
+    dims = resolve_gpt_dims(SimpleNamespace(preset=e["preset"], n_layers=e.get("n_layers"), norm_eps=1e-5,
+                                            rope_theta=10000.0))
+    shapes = hf_keys.hf_shapes(dims)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def make(name):
+        shape = shapes[name]
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=torch.bfloat16)
+        return (torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+
+    nbytes = {n: 2 * int(torch.Size(s).numel()) for n, s in shapes.items()}
+    write_hf_dir(out, nbytes, make, llama_config(dims, dtype="bfloat16", max_position_embeddings=max(4096, e["seq"])))
+    return out
+
+
+# Packed SFT entries (`sft: docs|plain`): documents like NeMo Automodel's mock SFT data (lengths
+# N(1024, 512) in [16, 4096], bench/peers/automodel_llama1b_packed_sft.yaml), each a prompt without
+# targets (a quarter) and an answer with them, packed to train.seq_len from document starts.
+SFT_DOCS = dict(mean=1024, std=512, low=16, high=4096, tokens=16_000_000)
+
+
+def sft_corpus(e: dict) -> Path:
+    vocab = hf_llama_config(e["preset"])["vocab_size"] if e["model"] == "hf" else 32000
+    return Path(tempfile.gettempdir()) / f"bench-sft-corpus-v{vocab}"
+
+
+def write_sft_corpus(e: dict) -> Path:
+    """The entry's loss-masked corpus (a prepared directory with a mask stream), written once."""
+    out = sft_corpus(e)
+    if (out / "manifest.json").is_file():
+        return out
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from mfsdp_launch.corpus import shards
+
+    vocab = int(out.name.rsplit("-v", 1)[1])
+    rng = np.random.default_rng(0)
+    lengths = []
+    while sum(lengths) < SFT_DOCS["tokens"]:
+        lengths.append(int(np.clip(rng.normal(SFT_DOCS["mean"], SFT_DOCS["std"]), SFT_DOCS["low"], SFT_DOCS["high"])))
+    tokens = rng.integers(1, vocab, size=sum(lengths), dtype=np.int64).astype(np.int32)
+    ends = np.cumsum(lengths)
+    tokens[ends - 1] = 0  # each document ends with EOS (id 0 here)
+    mask = np.ones(len(tokens), dtype=np.uint8)
+    for start, n in zip(ends - np.asarray(lengths), lengths):
+        mask[start:start + n // 4] = 0  # the prompt
+    out.mkdir(parents=True, exist_ok=True)
+    entry = shards.write_shard(str(out), 0, tokens, lengths, mask=mask)
+    meta = {"tokenizer": {"file": "synthetic", "sha256": "synthetic", "vocab_size": vocab}, "eos_id": 0,
+            "dtype": "int32", "loss_mask": {"train_on": "assistant"}}
+    shards.write_manifest(str(out), shards.build_manifest([entry], meta))
+    return out
+
+
+def data_args(e: dict) -> list:
+    """Synthetic tokens, or for `sft` entries the packed SFT corpus: `docs` attends per document
+    (data.doc_mask, varlen attention on the GPU), `plain` the same tokens with plain causal attention."""
+    if not e.get("sft"):
+        return ["data=synthetic"]
+    return ["data=tokens", f"data.sources=[{{path: '{sft_corpus(e)}'}}]", "data.pack=documents",
+            f"data.doc_mask={str(e['sft'] == 'docs').lower()}"]
 
 
 def run_bounded(cmd: list, timeout: float, env: dict = None) -> subprocess.CompletedProcess:
@@ -142,6 +240,10 @@ def _peak_reserved(rows: list):
 
 def run_launcher(e: dict, world: int, steps: int, log_interval: int, log) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{e['name']}-"))
+    if e.get("peft"):
+        write_lora_base(e)
+    if e.get("sft"):
+        write_sft_corpus(e)
     cmd = [sys.executable, "-m", "mfsdp_launch", *launcher_args(e, world, steps, log_interval, run_dir)]
     t0 = time.time()
     proc = run_bounded(cmd, e.get("timeout", 600), e.get("env"))
@@ -207,6 +309,8 @@ def estimate_entry(e: dict, world: int) -> dict:
     from mfsdp_launch.planner.memory import GIB, estimate
     from mfsdp_launch.mesh import ParallelDims, world_size
 
+    if e.get("sft"):  # validation opens the corpus
+        write_sft_corpus(e)
     args = launcher_args(e, world, e.get("steps", 6), e.get("log_interval", 2), Path(tempfile.gettempdir()) / "bench-dry")
     out = {}
     try:

@@ -77,6 +77,28 @@ ENTRIES: Dict[str, dict] = {
     "mfsdp_compile_mbs8": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs8_compile", kind="launcher",
                                engine="megatron_fsdp", extra=["train.compile=true"], **dict(LLAMA, model="gpt", mbs=8)),
 }
+# Issue 24 on ONE H200: torchtitan's own Qwen3-30B-A3B cut to 4 layers (bench/peers/tt_qwen3_moe.py, the
+# same 3,114,814,464 parameters) against our model.preset=qwen3-30b-a3b model.n_layers=4, eager and
+# compiled, and our dense gpt of equal active parameters (the MoE layers' 8 x 768 -> one SwiGLU of 6144).
+# Goal: >= 1.15x torchtitan's tokens/s/GPU. `--only tt_moe --only moe --only tt_moe_compile --only moe_compile
+# --only moe_fsdp2 --only moe_dense_twin` (about 8 minutes).
+MOE = dict(model="qwen3 moe", preset="qwen3-30b-a3b", n_layers=4, seq=4096, mbs=2, precision="bf16", world=1)
+TT_MOE = dict(kind="tt", module="tt_qwen3_moe", config="qwen3_30b_a3b_slice", parser="torchtitan", **MOE)
+ENTRIES.update({
+    "tt_moe": dict(name="peer_torchtitan_qwen3moe_l4_bf16_mbs2", flags=["--training.disable_cuda_graphs"],
+                   log="tt_moe.log", engine="torchtitan 0.3.0 FSDP2", **TT_MOE),
+    "moe": dict(name="peers_mfsdp_qwen3moe_l4_bf16_mbs2", kind="launcher", engine="megatron_fsdp",
+                **dict(MOE, model="gpt")),
+    "tt_moe_compile": dict(name="peer_torchtitan_qwen3moe_l4_bf16_mbs2_compile", log="tt_moe_compile.log",
+                           flags=["--training.disable_cuda_graphs", "--compile.enable"],
+                           engine="torchtitan 0.3.0 FSDP2 + compile", **TT_MOE),
+    "moe_compile": dict(name="peers_mfsdp_qwen3moe_l4_bf16_mbs2_compile", kind="launcher", engine="megatron_fsdp",
+                        extra=["train.compile=true"], **dict(MOE, model="gpt")),
+    "moe_fsdp2": dict(name="peers_fsdp2_qwen3moe_l4_bf16_mbs2", kind="launcher", engine="fsdp2",
+                      **dict(MOE, model="gpt")),
+    "moe_dense_twin": dict(name="peers_mfsdp_qwen3dense_l4_bf16_mbs2", kind="launcher", engine="megatron_fsdp",
+                           extra=["model.moe.experts=0"], **dict(MOE, model="gpt")),
+})
 DEFAULT = ["tt_nocg", "mfsdp", "am_fsdp2", "fsdp2", "tt_compile", "mfsdp_compile"]
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -172,8 +194,9 @@ def tt_install_command(kit: Path) -> List[str]:
 
 def tt_command(kit: Path, e: dict, steps: int = STEPS) -> List[str]:
     """run.sh's `tt` function: torchrun over tt_launch.py with the tt_bench config, plus e's flags."""
-    return ["torchrun", "--standalone", f"--nproc-per-node={WORLD}", str(kit / "tt_launch.py"),
-            "--module", "tt_bench", "--config", "llama_1p4b_bench", "--training.steps", str(steps), *e["flags"]]
+    return ["torchrun", "--standalone", f"--nproc-per-node={e.get('world', WORLD)}", str(kit / "tt_launch.py"),
+            "--module", e.get("module", "tt_bench"), "--config", e.get("config", "llama_1p4b_bench"),
+            "--training.steps", str(steps), *e["flags"]]
 
 
 def commands(e: dict, kit: Path, logs: Path, launcher_steps: int) -> List[List[str]]:
@@ -181,7 +204,8 @@ def commands(e: dict, kit: Path, logs: Path, launcher_steps: int) -> List[List[s
         return [["bash", str(kit / "run.sh"), e["mode"]]]
     if e["kind"] == "tt":
         return [tt_install_command(kit), tt_command(kit, e)]
-    return [[sys.executable, "-m", "mfsdp_launch", *launcher_overrides(e, launcher_steps, logs / e["name"])]]
+    return [[sys.executable, "-m", "mfsdp_launch",
+             *launcher_overrides(e, launcher_steps, logs / e["name"], e.get("world", WORLD))]]
 
 
 def launcher_overrides(e: dict, steps: int, run_dir: Path, world: int = WORLD) -> List[str]:
@@ -219,7 +243,7 @@ def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
         rc = run_group(commands(e, kit, logs, 0)[0], timeout + 60, cwd=ROOT, env=env).returncode
     else:
         install, cmd = commands(e, kit, logs, 0)
-        env["PYTHONPATH"] = f"/tmp/ttsite:{kit}"
+        env["PYTHONPATH"] = f"/tmp/ttsite:{kit}:{ROOT / 'bench' / 'peers'}"  # (our torchtitan config modules)
         env["TT_DUMP"] = f"/tmp/ttrun/{Path(e['log']).stem}"
         Path("/tmp/ttrun").mkdir(exist_ok=True)
         subprocess.run(install, env=env, check=True)
@@ -230,7 +254,7 @@ def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     got = summarize(PARSERS[e["parser"]](text))
     row = {k: v for k, v in e.items() if k not in ("flags", "mode", "parser")}
-    row.update(group=GROUP, kind="peer", fp8_params=False, world=WORLD, wall_s=round(time.time() - t0, 1),
+    row.update(group=GROUP, kind="peer", fp8_params=False, world=e.get("world", WORLD), wall_s=round(time.time() - t0, 1),
                log=str(log_path))
     if got is None:
         return dict(row, ok=False, error=f"no throughput lines in {log_path.name} (exit {rc}): " + text[-600:])
@@ -301,8 +325,9 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
 
     from mfsdp_launch.core.hardware import peak_tflops_for
 
-    if torch.cuda.device_count() < WORLD:
-        print(f"bench_peers: needs {WORLD} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+    need = max(ENTRIES[n].get("world", WORLD) for _, n in plan)
+    if torch.cuda.device_count() < need:
+        print(f"bench_peers: needs {need} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 1
     device = torch.cuda.get_device_name(0)
     peak = peak_tflops_for(device)
@@ -314,7 +339,7 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
         for r, n in plan:
             e = dict(ENTRIES[n], name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else "") + a.tag)
             if e["kind"] == "launcher":
-                row = run_ours(e, a.steps, logs, log, timeout=a.timeout + 120)
+                row = run_ours(e, a.steps, logs, log, world=e.get("world", WORLD), timeout=a.timeout + 120)
             else:
                 row = run_peer(e, kit, logs, a.timeout)
                 if row.get("ok"):

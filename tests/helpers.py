@@ -366,3 +366,81 @@ def _clear_s3fs_instances() -> None:
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def write_masked_corpus(path: Path, docs, masks, *, vocab=256, per_shard=50) -> str:
+    """A prepared corpus like write_corpus's whose documents carry a loss mask each (1 = a
+    target token), as `mfsdp-data prepare --chat` writes it."""
+    import numpy as np
+
+    from mfsdp_launch.corpus import shards
+
+    path.mkdir(parents=True)
+    entries = []
+    for i in range(0, len(docs), per_shard):
+        part, mpart = docs[i : i + per_shard], masks[i : i + per_shard]
+        entries.append(shards.write_shard(str(path), i // per_shard, np.concatenate(part).astype(np.uint16),
+                                          [len(d) for d in part], mask=np.concatenate(mpart)))
+    meta = {"tokenizer": {"file": "test", "sha256": "bytes", "vocab_size": vocab}, "eos_id": EOS,
+            "dtype": "uint16", "loss_mask": {"train_on": "assistant"}}
+    shards.write_manifest(str(path), shards.build_manifest(entries, meta))
+    return str(path)
+
+
+def write_llama_dir(path: Path, seed: int = 0, **dims) -> Path:
+    """A tiny Hugging Face Llama directory (config.json, model.safetensors) with seeded random
+    weights: a local pretrained base (model.init_from, model=hf model.pretrained=true)."""
+    import torch
+    import transformers
+
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **dims})).save_pretrained(path)
+    return Path(path)
+
+
+def train_wired(rank: int, world: int, overrides, *, grads=None, labels=None):
+    """Train in this process group (rank of world, gloo) through the worker's own wiring: the
+    planner's config for `overrides`, rank/runtime.py's builders, the real loop and DCP
+    checkpoints. `grads` / `labels` (dicts), when given, collect the applied gradients per step
+    (gathered: a collective) and each micro-batch's labels per (step, micro). Returns the
+    TrainState and the model's spec."""
+    import torch
+    import torch.distributed as dist
+
+    from mfsdp_launch.mesh import ParallelDims
+    from mfsdp_launch.planner import prepare
+    from mfsdp_launch.rank.loop import LoopContext, TrainState, train
+    from mfsdp_launch.rank.runtime import Runtime, build_checkpoints, build_io, build_training, token_copies
+
+    cfg, _ = prepare(list(overrides), check_hardware=False)
+    cfg.run.dir = str(Path(cfg.run.dir).resolve())
+    dims = ParallelDims.from_config(cfg.mesh, world)
+    rt = Runtime(rank, rank, world, torch.device("cpu"), dist.group.WORLD, dims, dims.build("cpu"))
+    tr = build_training(cfg, rt)
+    checkpoints = build_checkpoints(cfg, rt, tr.engine)
+    state = TrainState()
+    checkpoints.resume(tr.model, tr.optimizer, tr.scheduler, state)
+    io = build_io(cfg, rt, tr, resumed=state)
+    if grads is not None:
+        def snapshot(optimizer, args, kwargs):
+            grads[state.step + 1] = {n: p.grad.full_tensor().clone() for n, p in tr.model.named_parameters()}
+
+        tr.optimizer.register_step_pre_hook(snapshot)
+
+    def next_batch(step, micro):
+        batch = io.next_batch(step, micro)
+        if labels is not None:
+            labels[(step + 1, micro)] = batch["labels"].clone()
+        return batch
+
+    ctx = LoopContext(engine=tr.engine, spec=tr.spec, optimizer=tr.optimizer, scheduler=tr.scheduler,
+                      next_batch=next_batch, forward_context=tr.forward_context, device=rt.device,
+                      world_size=world, dp_size=dims.dp_size, rank=rank, peak_tflops=None, metrics=io.metrics,
+                      checkpoints=checkpoints, stop_requested=lambda step: False,
+                      masked_labels=io.next_batch.masked_labels, token_copies=token_copies(cfg, rt))
+    train(tr.forward_model, cfg.train, state, ctx)
+    checkpoints.wait()
+    io.metrics.close()
+    return state, tr

@@ -18,6 +18,7 @@ The rooms, each one concept:
     integrity.py   is a step intact: sizes (cheap), checksums (xxh3-64)    (pure Python)
     find.py        the newest intact step, a given step, a user's path     (pure Python)
     manifest.py    what a checkpoint records; which config changes resume  (pure Python)
+    adapters.py    a LoRA run's checkpoint: adapters only, the base's reference
     plan.py        the resume decision, and the launcher's preflight       (pure Python)
     aside.py       what a run would replace goes to run.dir/previous/<n>/  (pure Python)
     state.py       the small objects that save themselves (RNG, trainer.json)

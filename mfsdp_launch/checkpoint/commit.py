@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..core import storage
+from . import adapters
 from .aside import move_aside
 from .collective import Group
 from .errors import CheckpointError, dcp_failures, describe
 from .find import committed_steps
 from .integrity import checksum_files, file_checksum, inspect_checkpoint
+from .best import BEST, VAL_LOSS, read_best, update_best
 from .layout import LATEST, MANIFEST, TMP_SUFFIX, list_files, list_step_dirs, prune_plan, step_name, write_atomic
 from .manifest import collect_versions, new_manifest
 from .state import write_rank_state, write_trainer
@@ -51,6 +53,7 @@ class _Save:
     is_async: bool = False
     train_state: Any = None
     sums: Dict[str, Tuple[int, str]] = field(default_factory=dict)
+    val_loss: Optional[float] = None  # the loop validated at this step (checkpoint/best.py)
 
 
 def _print(msg: str) -> None:
@@ -83,10 +86,11 @@ class Saver:
     """The save side of a CheckpointManager. Every method is collective."""
 
     def __init__(self, ckpt_dir: Path, group: Group, *, rank: int, world_size: int, info: dict,
-                 keep_last: int, async_pg=None):
+                 keep_last: int, async_pg=None, keep_best: bool = False):
         self.dir, self.group = ckpt_dir, group
         self.rank, self.world_size, self.info = rank, world_size, info
         self.keep_last, self.async_pg = keep_last, async_pg
+        self.keep_best = keep_best  # checkpoint.keep_best=val_loss: the `best` pointer (checkpoint/best.py)
         self.resumed_path: Optional[Path] = None
         self.have_steps: set = set()  # steps whose state is already on disk in self.dir
         self.pending: Optional[_Save] = None
@@ -95,19 +99,21 @@ class Saver:
 
     # ------------------------------------------------------------------ writing
 
-    def save(self, step: int, engine, model, optimizer, scheduler, train_state, *, use_async: bool) -> None:
+    def save(self, step: int, engine, model, optimizer, scheduler, train_state, *, use_async: bool,
+             val_loss: Optional[float] = None) -> None:
         import torch.distributed.checkpoint as dcp
 
-        job = _Save(step, self.dir / (step_name(step) + TMP_SUFFIX), time.perf_counter())
+        job = _Save(step, self.dir / (step_name(step) + TMP_SUFFIX), time.perf_counter(), val_loss=val_loss)
         self.have_steps.add(step)
         # Collective first (Megatron-FSDP's state_dict is one), then this rank's own files.
-        state = engine.state_dict(model, optimizer)
+        state = adapters.checkpoint_state(engine, model, optimizer, adapters.of(self.info) is not None)
         error = None
         try:
             job.tmp.mkdir(parents=True, exist_ok=True)
             write_rank_state(job.tmp, step=step, rank=self.rank, world_size=self.world_size)
             if self.rank == 0:
                 job.train_state = write_trainer(job.tmp, step=step, scheduler=scheduler, train_state=train_state)
+                adapters.complete_base_reference(self.info)  # LoRA: the base's checksum, for the manifest
         except Exception as exc:
             error = describe(exc)
         failed = _failed(self.group.gather(error))
@@ -231,6 +237,8 @@ class Saver:
         manifest = new_manifest(self.info, step=job.step, world_size=self.world_size, versions=self._versions(),
                                 files=files, save_seconds=job.done_at - job.started, is_async=job.is_async,
                                 train_state=job.train_state, resumed_from=self.resumed_path)
+        if job.val_loss is not None:
+            manifest[VAL_LOSS] = job.val_loss
         body = _json(manifest)
         write_atomic(job.tmp / MANIFEST, lambda f: f.write(body))
         final, replaced = self._rename_into_place(job.tmp, job.step)
@@ -240,6 +248,8 @@ class Saver:
             size = sum(f["bytes"] for f in files)
             _print(f"checkpoint {final.name} committed ({size / 1e6:.1f} MB, {manifest['save_seconds']:.2f} s"
                    f"{', async' if job.is_async else ''})")
+            if self.keep_best and update_best(self.dir, final, job.val_loss):
+                _print(f"checkpoint {final.name} is the best so far (val_loss {job.val_loss:.4f}): checkpoints/{BEST}")
             self._remove_superseded(job.step, replaced)
             self._prune()
         except OSError as exc:
@@ -291,6 +301,9 @@ class Saver:
     def _prune(self) -> None:
         entries = [(s, p, inspect_checkpoint(p)[1] is None) for s, p in list_step_dirs(self.dir)]
         protect = [self.resumed_path] if self.resumed_path else []
+        best = read_best(self.dir) if self.keep_best else None
+        if best is not None:  # checkpoint.keep_best: never rotated away
+            protect.append(best.path)
         for p in prune_plan(entries, self.keep_last, protect):
             storage.rmtree(p, ignore_errors=True)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from ..core.errors import ConfigError
+from . import adapters
 from .collective import Group
 from .errors import CheckpointError, describe
 from .find import Found
@@ -60,9 +61,10 @@ def load_full(found: Found, *, engine, model, optimizer, scheduler, train_state,
 
     path = found.path
     fresh = config_hparams(optimizer) if optimizer is not None else []
-    state = engine.state_dict(model, optimizer)
+    only = adapters.of(found.manifest) is not None  # LoRA: the base came from its directory
+    state = adapters.checkpoint_state(engine, model, optimizer, only)
     dcp.load(state, checkpoint_id=str(path), process_group=group.pg)
-    engine.load_state_dict(model, optimizer, state)
+    engine.load_state_dict(model, optimizer, state, strict=not only)
 
     trainer = read_trainer(path)
     notes = keep_config_hparams(optimizer, fresh) if optimizer is not None else []
@@ -97,15 +99,16 @@ def saved_model_keys(md, *, path, key: str) -> Dict[str, str]:
     return out
 
 
-def load_weights(engine, model, path: Path, group: Group) -> None:
-    """Model weights only, matched by name after stripping wrapper prefixes (any engine)."""
+def load_weights(engine, model, path: Path, group: Group, *, adapters_only: bool = False) -> None:
+    """Model weights only, matched by name after stripping wrapper prefixes (any engine); a LoRA
+    run's adapters only."""
     import torch
     import torch.distributed.checkpoint as dcp
     from ..engines.base import strip_prefixes
 
     md = dcp_reader(path).read_metadata()
     by_name = saved_model_keys(md, path=path, key="checkpoint.load_path")
-    ours = engine.state_dict(model, None)["model"]
+    ours = adapters.checkpoint_state(engine, model, None, adapters_only)["model"]
     request, missing, saved_of = {}, [], {}
     for k, v in ours.items():
         name = strip_prefixes(k)
@@ -119,4 +122,4 @@ def load_weights(engine, model, path: Path, group: Group) -> None:
                           + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""))
     dcp.load({"model": request}, checkpoint_id=str(path), process_group=group.pg)
     loaded = {k: request[saved] for k, saved in saved_of.items()}
-    engine.load_state_dict(model, None, {"model": loaded})
+    engine.load_state_dict(model, None, {"model": loaded}, strict=not adapters_only)

@@ -23,9 +23,11 @@ from typing import Dict, Optional
 
 from ..core import storage
 from ..core.errors import ConfigError
+from . import adapters
 from .collective import Group
 from .commit import Saver
 from .errors import CheckpointError, dcp_failures, describe
+from .best import best_loss
 from .find import Found, committed_steps
 from .integrity import inspect_checkpoint
 from .layout import CHECKPOINTS, clean_stale, step_name
@@ -53,6 +55,9 @@ class CheckpointManager:
         if not self.group.distributed:
             quiet_single_process_warnings()
         self.last_blocked_seconds = 0.0
+        # checkpoint.keep_best=val_loss: a validation that beats the best saves its step (checkpoint/best.py)
+        self.keep_best = str(cfg_get(ckpt_cfg, "keep_best", "none") or "none") == "val_loss"
+        self.best_val = best_loss(self.dir) if self.keep_best else float("inf")
         self._resumed: Optional[Found] = None  # the checkpoint a full resume loaded (a rollback target)
         self._since = time.monotonic()  # the clock of checkpoint.interval_minutes
         self._due_step: Optional[int] = None  # the step the ranks agreed a time-based save is due
@@ -67,7 +72,8 @@ class CheckpointManager:
             # group used from another thread must not be shared with the training thread.
             async_pg = dist.new_group(backend="gloo")
         self.saver = Saver(self.dir, self.group, rank=self.rank, world_size=self.world_size, info=self.info,
-                           keep_last=int(cfg_get(ckpt_cfg, "keep_last", 3) or 1), async_pg=async_pg)
+                           keep_last=int(cfg_get(ckpt_cfg, "keep_last", 3) or 1), async_pg=async_pg,
+                           keep_best=self.keep_best)
         self.group.barrier()
 
     @property
@@ -98,7 +104,7 @@ class CheckpointManager:
         path = plan.found.path
         try:
             if plan.kind == "weights":
-                load_weights(self.engine, model, path, self.group)
+                load_weights(self.engine, model, path, self.group, adapters_only=adapters.of(self.info) is not None)
                 result = 0
             else:
                 result = load_full(plan.found, engine=self.engine, model=model, optimizer=optimizer,
@@ -216,14 +222,16 @@ class CheckpointManager:
         return interval > 0 and step > 0 and step % interval == 0
 
     def maybe_save(self, step: int, model, optimizer, scheduler, train_state, *, final: bool = False,
-                   force: bool = False) -> float:
+                   force: bool = False, val_loss: Optional[float] = None) -> float:
         """Save if this step asks for it; returns the seconds training was blocked. Collective:
-        call it on every rank with the same arguments (at every step is fine and polls async saves)."""
+        call it on every rank with the same arguments (at every step is fine and polls async saves).
+        `val_loss`: the validation loss of this step, if the loop validated at it (keep_best)."""
         t0 = time.perf_counter()
         saver = self.saver
         if saver.pending is not None:
             saver.poll()
-        if self._wants(step, final, force) and step not in saver.have_steps:
+        better = self.keep_best and val_loss is not None and val_loss < self.best_val
+        if (self._wants(step, final, force) or better) and step not in saver.have_steps:
             if saver.pending is not None:
                 saver.finish_pending()
             if not self.engine.params_finite(model):  # never commit non-finite weights
@@ -232,7 +240,9 @@ class CheckpointManager:
             use_async = saver.async_pg is not None or (bool(cfg_get(self.cfg, "async_save", False))
                                                        and not self.group.distributed)
             saver.save(step, self.engine, model, optimizer, scheduler, train_state,
-                       use_async=use_async and not (final or force))
+                       use_async=use_async and not (final or force), val_loss=val_loss)
+            if better:
+                self.best_val = val_loss
             self._since = time.monotonic()  # the save's own time is not train time
         blocked = time.perf_counter() - t0
         self.last_blocked_seconds = blocked

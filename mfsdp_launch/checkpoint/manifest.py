@@ -16,6 +16,7 @@ import json
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import adapters
 from .layout import FORMAT
 
 # Model config fields that decide the saved tensors' shapes (compared when dims can't be resolved).
@@ -83,6 +84,7 @@ def model_section(model_cfg) -> dict:
     section["freeze"] = list(plain(cfg_get(model_cfg, "freeze", [])) or [])
     section["params_dtype"] = plain(cfg_get(model_cfg, "params_dtype"))
     section["shape"] = model_shape(model_cfg)
+    section["peft"] = adapters.peft_section(model_cfg)  # LoRA: the adapters and the base they adapt
     return section
 
 
@@ -194,6 +196,8 @@ def incompatibilities(current: dict, manifest: dict, *, weights_only: bool) -> L
         if not weights_only and "freeze" in cur_m and "freeze" in old_m \
                 and plain(cur_m["freeze"] or []) != plain(old_m["freeze"] or []):
             out.append(("model.freeze", cur_m["freeze"], old_m["freeze"]))
+    if cur_m and old_m:
+        out += adapters.changes(current, manifest, weights_only=weights_only)
     if not weights_only:
         ce, oe = (current.get("engine") or {}).get("name"), (manifest.get("engine") or {}).get("name")
         if ce and oe and ce != oe:

@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..core import storage
 from ..core.errors import ConfigError
+from . import adapters
 from .find import Damaged, Found, find_latest, require_step, resolve_checkpoint
 from .integrity import inspect_checkpoint
 from .layout import checkpoints_dir, list_step_dirs, step_name
@@ -133,8 +134,9 @@ def refusal(plan: ResumePlan, problems: List[Tuple[str, Any, Any]]) -> ConfigErr
     """The one-line ConfigError for a config change that cannot resume `plan`'s checkpoint."""
     key, now, old = problems[0]
     verb = "load" if plan.kind == "weights" else "resume"
-    what = {"engine": "the engine's state layout", "optim.name": "the optimizer's saved state"}.get(
-        key, "the model's saved tensors")
+    base = ((adapters.of(plan.found.manifest) or {}).get("base") or {}).get("key")
+    what = {"engine": "the engine's state layout", "optim.name": "the optimizer's saved state",
+            base: "the frozen base the adapters were trained over"}.get(key, "the model's saved tensors")
     extra = f" (and {', '.join(p[0] for p in problems[1:])})" if len(problems) > 1 else ""
     allowed = f"{old!r} as in the checkpoint, or {START_OVER}"
     if key in ("engine", "optim.name"):

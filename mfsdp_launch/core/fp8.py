@@ -1,4 +1,6 @@
-"""FP8 recipes and their rules (torch-free); the TE objects are built in components/precision.py."""
+"""FP8 recipes and their rules (torch-free). Two kinds: Transformer Engine's recipes act on TE
+layers (components/precision.py builds them); torchao's float8 training converts plain
+`nn.Linear`s (components/float8.py), with no TE at all."""
 
 from __future__ import annotations
 
@@ -11,6 +13,18 @@ class FP8Recipe(Choice):
     current = "current"
     blockwise = "blockwise"
     mxfp8 = "mxfp8"
+    # torchao float8 training (components/float8.py): dynamic scaling per tensor (FP8 all-gather
+    # of weights under FSDP2) or per row (more accurate, high-precision all-gather).
+    torchao_tensorwise = "torchao_tensorwise"
+    torchao_rowwise = "torchao_rowwise"
+
+
+TE_RECIPES = frozenset({FP8Recipe.delayed, FP8Recipe.current, FP8Recipe.blockwise, FP8Recipe.mxfp8})
+TORCHAO_RECIPES = frozenset({FP8Recipe.torchao_tensorwise, FP8Recipe.torchao_rowwise})
+
+
+def is_torchao(recipe) -> bool:
+    return str(recipe) in {r.value for r in TORCHAO_RECIPES}
 
 
 class FP8Format(Choice):

@@ -38,6 +38,13 @@ class ResumeMode(Choice):
     never = "never"
 
 
+class KeepBest(Choice):
+    """checkpoint.keep_best: keep (a pointer to, protected from keep_last) the best checkpoint."""
+
+    none = "none"
+    val_loss = "val_loss"  # the step with the lowest validation loss (checkpoint/best.py)
+
+
 class CudaGraphMode(Choice):
     none = "none"
     full_iteration = "full_iteration"
@@ -103,6 +110,9 @@ class MeshConfig:
     dp_shard: int = -1  # -1: infer from the world size
     cp: int = 1
     tp: int = 1
+    # Expert parallelism (model.moe): the routed experts split over this many of the dp_shard x cp
+    # ranks, tokens sent to them by all-to-all (mfsdp_launch/mesh.py); it must divide both.
+    ep: int = 1
     # false: let Megatron-FSDP build its own default mesh (the seed's "ez" path).
     enabled: bool = True
 
@@ -158,6 +168,27 @@ class ModelLoss(Choice):
     model = "model"  # forward(input_ids, labels) -> scalar loss
 
 
+class PeftKind(Choice):
+    """model.peft.kind: parameter-efficient fine-tuning (models/lora.py)."""
+
+    none = "none"  # every parameter trains (or model.freeze's complement)
+    lora = "lora"  # low-rank adapters on model.peft.targets; the pretrained base stays frozen
+
+
+@dataclass
+class PeftConfig:
+    """model.peft: LoRA adapters (the `peft` library) on the linear layers named by `targets`, for
+    model=gpt and model=hf over a pretrained base; checkpoints hold the adapters only."""
+
+    kind: PeftKind = PeftKind.none
+    r: int = 8  # the adapters' rank
+    alpha: float = 16.0  # their output is scaled by alpha / r
+    dropout: float = 0.0  # on each adapter's input
+    # Linear layers that get an adapter: a module whose name is an entry or ends with "." + entry
+    # (peft's target_modules), e.g. [wqkv, wo, w_gate_up, w_down] for gpt, [q_proj, v_proj] for hf.
+    targets: List[str] = field(default_factory=list)
+
+
 @dataclass
 class ModelConfig:
     """The keys every family reads. Each family's section extends it with its own keys (registered
@@ -176,6 +207,8 @@ class ModelConfig:
     # none | full (every block) | selective (every ac_every-th block); models/activation_checkpoint.py.
     activation_checkpointing: ACMode = ACMode.none
     ac_every: int = 2
+    # LoRA: {kind: lora, r, alpha, dropout, targets: [...]} (docs/models.md, "LoRA").
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
 
 @dataclass
@@ -214,6 +247,9 @@ class TrainConfig:
     seq_len: int = 256
     log_interval: int = 10
     compile: bool = False
+    # FSDP2: the sharded parameters, gradients and optimizer state live in host memory (the
+    # optimizer steps on the CPU); each unit is copied to the GPU for its forward and backward.
+    cpu_offload: bool = False
     seed: int = 1234
     grad_clip: Optional[float] = 1.0
     cuda_graph: CudaGraphMode = CudaGraphMode.none
@@ -263,7 +299,7 @@ class DataConfig:
     sources: List[DataSource] = field(default_factory=list)
     # text|tokens: samples start anywhere (windows) or at document starts (documents).
     pack: Pack = Pack.windows
-    # text|tokens, model=gpt: attention stays inside each document of a sample.
+    # text|tokens, model=gpt|hf: attention stays inside each document of a sample (models/doc_attention.py).
     doc_mask: bool = False
     # tokens: split flat .bin sources into documents after this token id.
     eos_id: Optional[int] = None
@@ -279,6 +315,9 @@ class CheckpointConfig:
     # train_time_interval; rank 0's clock, agreed by every rank); null: by steps only.
     interval_minutes: Optional[float] = 30.0
     keep_last: int = 3
+    # val_loss: a validation that beats the best so far saves its step, `checkpoints/best` points
+    # at it and keep_last never rotates it away (`mfsdp-export RUN OUT --step best`).
+    keep_best: KeepBest = KeepBest.none
     async_save: bool = False
     resume: ResumeMode = ResumeMode.auto
     # resume=never in a run dir with checkpoints: start over anyway, the earlier run's files moved

@@ -8,6 +8,9 @@ depends on what was sampled before, so a resume at any data-parallel size contin
 Splits: with ``val_fraction = f > 0`` each source is cut at the document boundary nearest to
 ``(1 - f)`` of its tokens; ``split="train"`` samples before the cut, ``split="val"`` after it
 (disjoint documents). ``split="all"`` uses everything (e.g. for ``data.val_sources``).
+
+Loss masks: a source prepared from chat data (``prepare --chat``) carries one per token; a
+sample's mask says which of its tokens are training targets (sources without one: all).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class TokenDataset:
             self.streams.append(stream)
             self.packers.append(self._packer(i, stream, split, float(val_fraction), key))
         self.blend = Blend(self.weights)
+        self.has_loss_mask = any(st.has_mask for st in self.streams)
 
     def _packer(self, i: int, stream: TokenStream, split: str, f: float, key: str):
         lo, hi = 0, stream.n_tokens
@@ -85,6 +89,17 @@ class TokenDataset:
         s, start = self.locate(g)
         stream = self.streams[s]
         return stream.read(start, self.n), doc_ids_from_boundaries(self.n, stream.boundaries(start, self.n))
+
+    def sample_parts(self, g: int, docs: bool, mask: bool) -> Tuple[np.ndarray, ...]:
+        """(tokens[, doc_ids][, loss mask (bool)]) of sample ``g``, read at one location."""
+        s, start = self.locate(g)
+        stream = self.streams[s]
+        out = (stream.read(start, self.n),)
+        if docs:
+            out += (doc_ids_from_boundaries(self.n, stream.boundaries(start, self.n)),)
+        if mask:
+            out += (stream.read_mask(start, self.n),)
+        return out
 
     def batch_numpy(self, start: int, mbs: int, with_docs: bool = False):
         """Samples ``start .. start + mbs - 1`` as ``[mbs, seq_len + 1]`` (and doc ids when asked)."""

@@ -121,9 +121,22 @@ class Shard:
         self.dtype = np.dtype(dtype)
         self._tokens = None
         self._docs = None
+        # A loss-mask stream beside the tokens (uint8, 1 = a target token; chat data from
+        # `mfsdp-data prepare --chat`), or None: every token is a target.
+        self.mask_path: Optional[str] = None
+        self._mask = None
 
     def __getstate__(self):
-        return {**self.__dict__, "_tokens": None, "_docs": None}
+        return {**self.__dict__, "_tokens": None, "_docs": None, "_mask": None}
+
+    @property
+    def loss_mask(self) -> Optional[np.ndarray]:
+        """The uint8 loss mask of every token (memmapped), or None when the shard has none."""
+        if self.mask_path is None:
+            return None
+        if self._mask is None:
+            self._mask = map_tokens(self.mask_path, np.uint8, 0, self.n_tokens)
+        return self._mask
 
     @property
     def tokens(self) -> np.ndarray:

@@ -197,6 +197,23 @@ def _read_parquet(p: Piece, field: str, skipped: dict) -> Iterator[Tuple[str, bo
         yield text, True, p.weight if i == len(texts) - 1 else 0
 
 
+def read_rows(p: Piece, skipped: dict) -> Iterator[Tuple[object, int]]:
+    """(parsed JSON value, input bytes) of each non-blank line of a JSON-lines piece (``--chat``);
+    a line that is not JSON comes as None (the caller counts it)."""
+    with open(p.path, "rb") as f:
+        f.seek(p.a)
+        pos = p.a
+        while pos < p.b:
+            line = f.readline()
+            pos += len(line)
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line), len(line)
+            except ValueError:
+                yield None, len(line)
+
+
 def read(p: Piece, field: str, skipped: dict) -> Iterator[Tuple[str, bool, int]]:
     if p.kind == "text":
         return _read_text(p, skipped)

@@ -4,8 +4,13 @@
 
     mfsdp-data prepare INPUT... --tokenizer TOKENIZER_JSON --out DIR [--field text]
                        [--workers N] [--eos-id ID | --eos-token TOKEN] [--shard-mb MB]
+                       [--chat [--train-on assistant|last|all] [--chat-template FILE]]
     mfsdp-data verify DIR          # size and checksum of every shard against the manifest
     mfsdp-data info PATH...        # format, tokens, documents, vocab of any readable source
+
+``--chat`` reads conversations (JSON lines; corpus/chat.py), renders each with the tokenizer
+directory's chat template and writes a loss mask beside the tokens (``shard_*.mask``: which
+tokens the loss trains on). Rows that cannot be trained on are counted by kind and reported.
 
 ``prepare`` is resumable: each finished shard is appended to ``DIR/progress.jsonl``; a rerun of
 the same command (same inputs, tokenizer and options) skips those and continues. The output
@@ -159,30 +164,42 @@ def _run_pool(jobs: List[Dict[str, Any]], tokenizer_path: str, workers: int, on_
                 on_done(pending.pop(i).get())
 
 
-def prepare(input_specs: Sequence[str], tokenizer: str, out: str, *, field: str = "text",
+def prepare(input_specs: Sequence[str], tokenizer: str, out: str, *, field: Optional[str] = None,
             workers: Optional[int] = None, eos_id: Optional[int] = None, eos_token: Optional[str] = None,
-            shard_mb: Optional[float] = None, show_progress: bool = True) -> tuple:
-    """Tokenize ``input_specs`` into ``out``; returns (manifest, summary line). ConfigError for bad input."""
+            shard_mb: Optional[float] = None, show_progress: bool = True, chat: bool = False,
+            train_on: Optional[str] = None, chat_template: Optional[str] = None) -> tuple:
+    """Tokenize ``input_specs`` into ``out``; returns (manifest, summary line). ConfigError for bad input.
+    ``chat``: conversations with a loss mask (``train_on``, default assistant; corpus/chat.py)."""
     if shard_mb is not None and shard_mb <= 0:
         raise ConfigError("--shard-mb", f"must be > 0, got {shard_mb}")
+    for key, value in (("--train-on", train_on), ("--chat-template", chat_template)):
+        if value is not None and not chat:
+            raise ConfigError(key, "applies to conversations only", "with --chat")
     out_prefix = os.path.abspath(out) + os.sep
     files = [f for f in inputs.expand(input_specs) if not f.startswith(out_prefix)]  # not our own output
     tok_path = os.path.abspath(os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer)
     tok = tk.load(tok_path)
     vocab = tk.vocab_size(tok)
+    job_chat = _chat_settings(tokenizer, files, train_on, chat_template, field) if chat else None
+    if job_chat and eos_id is None and eos_token is None:  # the tokenizer's own EOS, where it names one
+        eos_token = job_chat["special"].get("eos_token") if tok.token_to_id(
+            job_chat["special"].get("eos_token", "")) is not None else None
     eos = tk.resolve_eos(tok, eos_id, eos_token)
     dtype = shard_dtype(vocab)
     shard_bytes = auto_shard_bytes(files) if shard_mb is None else max(1, int(shard_mb * 1e6))
     meta = {"tokenizer": {"file": tok_path, "sha256": tk.file_sha256(tok_path), "vocab_size": vocab},
-            "eos_id": eos, "dtype": dtype.name, "field": field, "shard_bytes": shard_bytes,
-            "checksum": shards.checksum_algo(), "inputs": files}
+            "eos_id": eos, "dtype": dtype.name, "field": field or ("chat" if chat else "text"),
+            "shard_bytes": shard_bytes, "checksum": shards.checksum_algo(), "inputs": files}
+    if job_chat:
+        meta["loss_mask"] = {"train_on": job_chat["train_on"], "chat_template": job_chat["source"],
+                             "chat_template_sha256": job_chat["sha256"]}
     fp = _fingerprint(files, meta)
     meta["fingerprint"] = fp
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError("--out", f"{out} exists and is not a directory")
     with _locked_out(out) as created:
         try:
-            return _prepare_into(out, files, meta, tok_path, workers, show_progress)
+            return _prepare_into(out, files, meta, tok_path, workers, show_progress, job_chat)
         except ConfigError:
             if created:  # refused: leave no directory behind, so that a fixed command starts clean
                 _remove_if_empty(out)
@@ -224,8 +241,24 @@ def _remove_if_empty(out: str) -> None:
         pass
 
 
+def _chat_settings(tokenizer: str, files: Sequence[str], train_on: Optional[str], chat_template: Optional[str],
+                   field: Optional[str]) -> Dict[str, Any]:
+    """What every --chat worker needs (the template's text, not a path: workers render alike);
+    refuses inputs that are not JSON lines and a tokenizer without a template, in one line."""
+    from .chat import TRAIN_ON, Renderer, load_template
+
+    for f in files:
+        if inputs.kind_of(f) != "jsonl":
+            raise ConfigError("INPUT", f"{f}: --chat reads conversations from JSON lines", "*.jsonl|*.ndjson")
+    train_on = train_on or TRAIN_ON[0]
+    template = load_template(tokenizer, chat_template)
+    Renderer(template, train_on)  # an unknown --train-on or a template that does not compile: now
+    return {"template": template.text, "source": template.source, "sha256": template.sha256,
+            "special": template.special, "train_on": train_on, "field": field}
+
+
 def _prepare_into(out: str, files: List[str], meta: Dict[str, Any], tok_path: str, workers: Optional[int],
-                  show_progress: bool) -> tuple:
+                  show_progress: bool, chat: Optional[Dict[str, Any]] = None) -> tuple:
     """prepare() with `out` locked: skip what an earlier run finished, tokenize the rest."""
     fp, field, eos, dtype = meta["fingerprint"], meta["field"], meta["eos_id"], np.dtype(meta["dtype"])
     finished = _check_out_dir(out, fp)
@@ -235,7 +268,7 @@ def _prepare_into(out: str, files: List[str], meta: Dict[str, Any], tok_path: st
     ledger = _Ledger(out, fp)
     done = ledger.load()
     jobs = [{"index": i, "pieces": p, "out": out, "field": field, "dtype": dtype.name, "eos_id": eos,
-             "algo": meta["checksum"]} for i, p in enumerate(items) if i not in done]
+             "algo": meta["checksum"], "chat": chat} for i, p in enumerate(items) if i not in done]
     weight = [sum(p.weight for p in item) for item in items]
     bar = Progress(sum(weight), len(items), sum(weight[i] for i in done), len(done), enabled=show_progress)
 
@@ -257,6 +290,9 @@ def _prepare_into(out: str, files: List[str], meta: Dict[str, Any], tok_path: st
             for ext in rec.get("files", {}):
                 _unlink(os.path.join(out, f"{rec['name']}.{ext}"))
         _unlink(ledger.path)
+        if chat:
+            raise ConfigError("INPUT", f"no conversation to train on in {len(files)} file(s) "
+                              f"(skipped {_skipped_text(manifest['skipped']) or 'none'})")
         raise ConfigError("INPUT", f"no documents with text in {len(files)} file(s)"
                           + (f" (no {field!r} field?)" if manifest["skipped"] else ""))
     shards.write_manifest(out, manifest)
@@ -287,7 +323,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("inputs", nargs="+", metavar="INPUT", help="JSON lines, Parquet, text files, dirs, globs")
     pr.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
     pr.add_argument("--out", required=True, help="output directory")
-    pr.add_argument("--field", default="text", help="JSON/Parquet field with the text (default: text)")
+    pr.add_argument("--field", default=None,
+                    help="JSON/Parquet field with the text (default: text); with --chat, the turns (default: "
+                         "messages, conversations or prompt+completion)")
     pr.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     eos = pr.add_mutually_exclusive_group()
     eos.add_argument("--eos-id", type=int, default=None, help="EOS id appended to every document")
@@ -295,6 +333,13 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--shard-mb", type=float, default=None,
                     help="MB of input per shard, the unit of parallel work (default: total / 256, within 1..64)")
     pr.add_argument("--quiet", action="store_true", help="no progress output")
+    pr.add_argument("--chat", action="store_true",
+                    help="JSON lines of conversations, rendered with the tokenizer directory's chat template; "
+                         "writes a loss mask beside the tokens")
+    pr.add_argument("--train-on", default=None, choices=("assistant", "last", "all"),
+                    help="with --chat: the tokens the loss trains on (default: assistant, every assistant turn)")
+    pr.add_argument("--chat-template", default=None, metavar="FILE",
+                    help="with --chat: a Jinja chat template instead of the tokenizer's")
     ve = sub.add_parser("verify", help="check every shard's size and checksum against the manifest")
     ve.add_argument("dir")
     inf = sub.add_parser("info", help="describe a prepared dir, Megatron .bin/.idx or nanoGPT .bin")
@@ -309,15 +354,34 @@ def _cmd_prepare(a) -> int:
     t0 = time.perf_counter()
     try:
         m, summary = prepare(a.inputs, a.tokenizer, a.out, field=a.field, workers=a.workers, eos_id=a.eos_id,
-                             eos_token=a.eos_token, shard_mb=a.shard_mb, show_progress=not a.quiet)
+                             eos_token=a.eos_token, shard_mb=a.shard_mb, show_progress=not a.quiet, chat=a.chat,
+                             train_on=a.train_on, chat_template=a.chat_template)
     except KeyboardInterrupt:
         print(f"mfsdp-data: interrupted after {time.perf_counter() - t0:.0f} s; finished shards are kept, "
               f"rerun the same command to continue", file=sys.stderr, flush=True)
         return 130
-    skipped = ", ".join(f"{v} {k}" for k, v in sorted(m["skipped"].items()))
+    skipped = _skipped_text(m["skipped"])
     print(f"mfsdp-data: {a.out}: {m['n_tokens']:,} tokens, {m['n_documents']:,} documents, "
-          f"{len(m['shards'])} shards ({m['dtype']}); {summary}" + (f"; skipped {skipped}" if skipped else ""))
+          f"{len(m['shards'])} shards ({m['dtype']}){_mask_text(m)}; {summary}"
+          + (f"; skipped {skipped}" if skipped else ""))
     return 0
+
+
+def _skipped_text(skipped: Dict[str, int]) -> str:
+    """'3 no_assistant (no assistant turn to train on), 1 bad_json (...)': what was left out, and why."""
+    from .chat import ROW_PROBLEMS
+
+    return ", ".join(f"{v} {k}" + (f" ({ROW_PROBLEMS[k]})" if k in ROW_PROBLEMS else "")
+                     for k, v in sorted(skipped.items()))
+
+
+def _mask_text(m: Dict[str, Any]) -> str:
+    """', loss mask on 41.3% of the tokens (train_on=assistant)' for a corpus with one, else ''."""
+    mask = m.get("loss_mask")
+    if not mask or not m.get("n_tokens"):
+        return ""
+    share = 100.0 * int(m.get("n_targets", 0)) / int(m["n_tokens"])
+    return f", loss mask on {share:.1f}% of the tokens (train_on={mask.get('train_on')})"
 
 
 def _cmd_verify(a) -> int:
@@ -340,9 +404,10 @@ def _cmd_info(a) -> int:
     for path in a.paths:
         src = resolve(path, key="PATH", eos_id=a.eos_id, cache_dir=None if a.eos_id is None else _cache_dir())
         st = TokenStream(src.shards)
+        mask = _mask_text({"loss_mask": src.loss_mask, "n_targets": src.n_targets, "n_tokens": st.n_tokens})
         print(f"{path}: {'+'.join(sorted(set(src.kinds)))}, {len(src.shards)} shard(s), {st.n_tokens:,} tokens, "
               f"{st.n_docs:,} documents, dtype {src.shards[0].dtype.name if src.shards else '-'}, "
-              f"vocab {src.vocab_size or 'unknown'}, eos {src.eos_id if src.eos_id is not None else a.eos_id}")
+              f"vocab {src.vocab_size or 'unknown'}, eos {src.eos_id if src.eos_id is not None else a.eos_id}{mask}")
     return 0
 
 

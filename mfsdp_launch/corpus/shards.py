@@ -5,6 +5,8 @@
     DIR/manifest.json          format, version, tokenizer (sha256, vocab), eos_id, dtype,
                                token/document counts, one entry per shard with file checksums
     DIR/shard_000000.bin/.idx  tokens and index (see indexed.py); every document ends with EOS
+    DIR/shard_000000.mask      chat data only (``prepare --chat``): one uint8 per token, 1 where
+                               the token is a training target (the manifest's ``loss_mask``)
 
 Checksums are xxh64 when ``xxhash`` is installed, else crc32 (zlib); the value carries its
 algorithm (``"xxh64:..."``), so a directory checks out on any machine that has that algorithm.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -153,11 +155,26 @@ def check_prepared(directory: str) -> str:
     """The first file of a prepared directory failing `check_sampled`, as one line ('' if none)."""
     m = read_manifest(directory)
     for s in m["shards"]:
-        for ext in ("bin", "idx"):
-            problem = check_sampled(os.path.join(directory, f"{s['name']}.{ext}"), s["files"][ext])
-            if problem:
-                return problem
+        problem = _mask_size_problem(directory, s)
+        for ext in shard_files(s):
+            problem = problem or check_sampled(os.path.join(directory, f"{s['name']}.{ext}"), s["files"][ext])
+        if problem:
+            return problem
     return ""
+
+
+def shard_files(entry: Dict[str, Any]) -> List[str]:
+    """The file extensions of a shard's manifest entry: bin, idx, and mask for chat data."""
+    return [ext for ext in ("bin", "idx", "mask") if ext in entry["files"]]
+
+
+def _mask_size_problem(directory: str, entry: Dict[str, Any]) -> str:
+    """'' unless the manifest's loss mask of a shard does not hold one byte per token."""
+    mask = entry["files"].get("mask")
+    if mask is None or int(mask["bytes"]) == int(entry["n_tokens"]):
+        return ""
+    return (f"{os.path.join(directory, entry['name'])}.mask holds {mask['bytes']} mask bytes for "
+            f"{entry['n_tokens']} tokens: the loss mask does not match its tokens")
 
 
 def read_manifest(directory: str) -> Dict[str, Any]:
@@ -184,14 +201,18 @@ def manifest_bytes(manifest: Dict[str, Any]) -> bytes:
 
 def build_manifest(entries: Sequence[Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Any]:
     """The manifest of shard ``entries`` (empty shards dropped) with ``meta`` (tokenizer, eos_id, dtype, ...)."""
-    kept = [{k: e[k] for k in ("name", "n_tokens", "n_documents", "files")} for e in entries if e.get("files")]
+    keys = ("name", "n_tokens", "n_documents", "files", "n_targets")
+    kept = [{k: e[k] for k in keys if k in e} for e in entries if e.get("files")]
     skipped: Dict[str, int] = {}
     for e in entries:
         for k, v in e.get("skipped", {}).items():
             skipped[k] = skipped.get(k, 0) + v
-    return {"format": FORMAT, "version": FORMAT_VERSION, "index_format": "megatron-mmidx", **meta,
-            "n_tokens": sum(s["n_tokens"] for s in kept), "n_documents": sum(s["n_documents"] for s in kept),
-            "skipped": skipped, "shards": kept}
+    out = {"format": FORMAT, "version": FORMAT_VERSION, "index_format": "megatron-mmidx", **meta,
+           "n_tokens": sum(s["n_tokens"] for s in kept), "n_documents": sum(s["n_documents"] for s in kept),
+           "skipped": skipped, "shards": kept}
+    if any("n_targets" in s for s in kept):  # chat data: the tokens its loss mask trains on
+        out["n_targets"] = sum(int(s.get("n_targets", 0)) for s in kept)
+    return out
 
 
 def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
@@ -200,8 +221,9 @@ def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
 
 
 def write_shard(directory: str, index: int, tokens: np.ndarray, lengths: Sequence[int],
-                algo: str = "") -> Dict[str, Any]:
-    """Write in-memory ``tokens`` (documents of ``lengths``) as shard ``index``; its manifest entry.
+                algo: str = "", mask: Optional[np.ndarray] = None) -> Dict[str, Any]:
+    """Write in-memory ``tokens`` (documents of ``lengths``; ``mask``: their loss mask, one per
+    token) as shard ``index``; its manifest entry.
 
     For token sets made without a tokenizer (benchmarks, tests); ``prepare`` streams instead.
     """
@@ -209,8 +231,18 @@ def write_shard(directory: str, index: int, tokens: np.ndarray, lengths: Sequenc
     prefix = os.path.join(directory, name)
     atomic_write(prefix + ".bin", lambda f: f.write(memoryview(np.ascontiguousarray(tokens))))
     atomic_write(prefix + ".idx", lambda f: write_index(f, tokens.dtype, np.asarray(lengths)))
-    files = {ext: file_entry(f"{prefix}.{ext}", file_checksum(f"{prefix}.{ext}", algo)) for ext in ("bin", "idx")}
-    return {"index": index, "name": name, "n_tokens": int(len(tokens)), "n_documents": len(lengths), "files": files}
+    exts = ("bin", "idx")
+    extra: Dict[str, Any] = {}
+    if mask is not None:
+        mask = np.ascontiguousarray(mask, dtype=np.uint8)
+        if len(mask) != len(tokens):
+            raise ValueError(f"a loss mask of {len(mask)} entries for {len(tokens)} tokens")
+        atomic_write(prefix + ".mask", lambda f: f.write(memoryview(mask)))
+        exts += ("mask",)
+        extra["n_targets"] = int(np.count_nonzero(mask))
+    files = {ext: file_entry(f"{prefix}.{ext}", file_checksum(f"{prefix}.{ext}", algo)) for ext in exts}
+    return {"index": index, "name": name, "n_tokens": int(len(tokens)), "n_documents": len(lengths), "files": files,
+            **extra}
 
 
 def open_prepared(directory: str) -> tuple:
@@ -219,11 +251,15 @@ def open_prepared(directory: str) -> tuple:
     shards = []
     for s in m["shards"]:
         prefix = os.path.join(directory, s["name"])
-        for ext in ("bin", "idx"):
-            problem = check_file(f"{prefix}.{ext}", s["files"][ext], full=False)
-            if problem:
-                raise ValueError(problem)
-        shards.append(MegatronShard(prefix, s["n_tokens"], s["n_documents"], m["dtype"]))
+        problem = _mask_size_problem(directory, s)
+        for ext in shard_files(s):
+            problem = problem or check_file(f"{prefix}.{ext}", s["files"][ext], full=False)
+        if problem:
+            raise ValueError(problem)
+        shard = MegatronShard(prefix, s["n_tokens"], s["n_documents"], m["dtype"])
+        if "mask" in s["files"]:
+            shard.mask_path = prefix + ".mask"
+        shards.append(shard)
     return m, shards
 
 
@@ -232,7 +268,8 @@ def verify(directory: str) -> List[str]:
     m = read_manifest(directory)
     problems = []
     for s in m["shards"]:
-        for ext in ("bin", "idx"):
+        problems += [p for p in [_mask_size_problem(directory, s)] if p]
+        for ext in shard_files(s):
             p = check_file(os.path.join(directory, f"{s['name']}.{ext}"), s["files"][ext])
             if p:
                 problems.append(p)

@@ -39,6 +39,12 @@ class Source:
     vocab_size: Optional[int] = None  # None: not recorded (Megatron, flat)
     tokenizer_sha256: Optional[str] = None
     eos_id: Optional[int] = None
+    loss_mask: Optional[dict] = None  # chat data: the manifest's loss_mask (train_on, template)
+    n_targets: int = 0  # chat data: tokens its loss mask trains on
+
+    @property
+    def has_mask(self) -> bool:
+        return any(s.mask_path is not None for s in self.shards)
 
     @property
     def n_tokens(self) -> int:
@@ -89,6 +95,9 @@ def resolve(spec: str, *, key: str, eos_id: Optional[int] = None, cache_dir: Opt
                     raise ConfigError(key, f"{path} was tokenized with another tokenizer than the rest "
                                       f"of {spec!r}")
                 src.tokenizer_sha256, src.eos_id = tok["sha256"], m["eos_id"]
+                if m.get("loss_mask"):
+                    src.loss_mask = dict(m["loss_mask"])
+                    src.n_targets += int(m.get("n_targets", 0))
                 src.vocab_size = max(src.vocab_size or 0, int(tok["vocab_size"]))
             elif kind == "megatron":
                 src.shards.append(MegatronShard(path))
@@ -108,6 +117,11 @@ def _get(entry: Any, name: str, default: Any = None) -> Any:
     if hasattr(entry, "get"):
         return entry.get(name, default)
     return getattr(entry, name, default)
+
+
+def entry_path(entry: Any) -> Any:
+    """The path of a ``data.sources`` entry (``{path, weight}`` or a bare path)."""
+    return _get(entry, "path")
 
 
 def _weight(entry: Any, key: str) -> float:

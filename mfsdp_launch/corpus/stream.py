@@ -23,6 +23,7 @@ class TokenStream:
         np.cumsum([s.n_docs for s in self.shards], out=self.doc_off[1:])
         self.n_tokens = int(self.tok_off[-1])
         self.n_docs = int(self.doc_off[-1])
+        self.has_mask = any(s.mask_path is not None for s in self.shards)
 
     def _shard_of_token(self, t: int) -> int:
         return int(np.searchsorted(self.tok_off, t, side="right")) - 1
@@ -37,6 +38,22 @@ class TokenStream:
             a = start + done - int(self.tok_off[i])
             b = min(self.shards[i].n_tokens, a + n - done)
             out[done : done + b - a] = self.shards[i].tokens[a:b]
+            done += b - a
+            i += 1
+        return out
+
+    def read_mask(self, start: int, n: int) -> np.ndarray:
+        """The loss mask of tokens ``[start, start + n)`` as bool (True where a shard has none)."""
+        if start < 0 or start + n > self.n_tokens:
+            raise IndexError(f"tokens [{start}, {start + n}) outside [0, {self.n_tokens})")
+        out = np.ones(n, dtype=bool)
+        i, done = self._shard_of_token(start), 0
+        while done < n:
+            a = start + done - int(self.tok_off[i])
+            b = min(self.shards[i].n_tokens, a + n - done)
+            mask = self.shards[i].loss_mask
+            if mask is not None:
+                out[done : done + b - a] = mask[a:b] != 0
             done += b - a
             i += 1
         return out

@@ -12,12 +12,12 @@ Importing this package imports numpy only.
 """
 
 from .batches import TokenBatches, open_dataset
-from .check import check_data_config, check_data_integrity, has_validation
+from .check import check_data_config, check_data_integrity, has_validation, loss_masked_source
 from .layout import microbatch_start, sample_rng, samples_per_step, val_batch_start
 from .text import (BYTE_VOCAB, SEPARATOR, STDLIB_SKIP_DIRS, build_token_cache, cache_dir_for, resolve_text_files, stdlib_dir, token_dtype, tokenizer_vocab_size)
 
 __all__ = [
-    "TokenBatches", "open_dataset", "check_data_config", "check_data_integrity", "has_validation", "samples_per_step",
+    "TokenBatches", "open_dataset", "check_data_config", "check_data_integrity", "has_validation", "loss_masked_source", "samples_per_step",
     "microbatch_start", "val_batch_start", "sample_rng", "resolve_text_files", "tokenizer_vocab_size",
     "build_token_cache", "cache_dir_for", "token_dtype", "stdlib_dir", "STDLIB_SKIP_DIRS", "SEPARATOR",
     "BYTE_VOCAB",

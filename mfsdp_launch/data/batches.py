@@ -10,8 +10,11 @@
     or the held-out tail (``data.val_fraction``) of each source.
 
 In every case ``input_ids = window[:-1]`` and ``labels = window[1:]``; with ``data.doc_mask``
-the batch also holds ``doc_ids`` (the document number of each input token), which the model
-turns into a block-causal attention mask.
+the batch also holds ``doc_ids`` (the document number of each input token) and ``cu_seqlens``
+(the boundaries of its documents in the flattened batch), which the model turns into attention
+per document. A corpus with a loss mask (chat data, ``mfsdp-data prepare
+--chat``) sets ``labels`` to -100 where the predicted token is not a target
+(``masked_labels``; the loop then weighs micro-batches per token, rank/token_weights.py).
 """
 
 from __future__ import annotations
@@ -108,26 +111,57 @@ class TokenBatches:
             toks = np.stack([self.sample(start + i) for i in range(mbs)])
             return (toks, np.zeros_like(toks, dtype=np.int32)) if with_docs else toks
         out = self.dataset.batch_numpy(start, mbs, with_docs=with_docs)
-        toks = out[0] if with_docs else out
+        self._check_vocab(out[0] if with_docs else out, start)
+        return out
+
+    def _check_vocab(self, toks: np.ndarray, start: int) -> None:
         top = int(toks.max())
         if top >= self.model_vocab_size:  # formats without a recorded vocab are caught here
-            raise ValueError(f"model.vocab_size: {self.model_vocab_size}, but samples {start}..{start + mbs - 1} "
-                             f"of the {self.split} data hold token id {top}")
-        return out
+            raise ValueError(f"model.vocab_size: {self.model_vocab_size}, but samples {start}.."
+                             f"{start + self.micro_batch_size - 1} of the {self.split} data hold token id {top}")
+
+    @property
+    def masked_labels(self) -> bool:
+        """Whether labels can be -100: the data carries a loss mask."""
+        return self.dataset is not None and self.dataset.has_loss_mask
 
     def batch(self, global_sample_start: int) -> Dict[str, Any]:
         import torch
 
-        if not self.doc_mask:
-            w = torch.from_numpy(self.batch_numpy(global_sample_start))
-            return {"input_ids": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous()}
-        toks, docs = self.batch_numpy(global_sample_start, with_docs=True)
-        w = torch.from_numpy(toks)
-        return {"input_ids": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous(),
-                "doc_ids": torch.from_numpy(np.ascontiguousarray(docs[:, :-1]))}
+        if not self.masked_labels:
+            if not self.doc_mask:
+                w = torch.from_numpy(self.batch_numpy(global_sample_start))
+                return {"input_ids": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous()}
+            toks, docs = self.batch_numpy(global_sample_start, with_docs=True)
+            w = torch.from_numpy(toks)
+            return {"input_ids": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous(),
+                    **_documents(docs[:, :-1])}
+        from ..models.losses import IGNORE_INDEX
+
+        start, mbs = int(global_sample_start), self.micro_batch_size
+        rows = [self.dataset.sample_parts(start + i, docs=self.doc_mask, mask=True) for i in range(mbs)]
+        toks = np.stack([r[0] for r in rows])
+        self._check_vocab(toks, start)
+        mask = np.stack([r[-1] for r in rows])
+        labels = np.where(mask[:, 1:], toks[:, 1:], IGNORE_INDEX)  # the mask is of the predicted token
+        out = {"input_ids": torch.from_numpy(np.ascontiguousarray(toks[:, :-1])), "labels": torch.from_numpy(labels)}
+        if self.doc_mask:
+            out.update(_documents(np.stack([r[1] for r in rows])[:, :-1]))
+        return out
 
     def microbatch(self, step: int, micro: int, *, grad_accum_steps: int, **base) -> Dict[str, Any]:
         """This rank's batch for optimizer step ``step``, micro-batch ``micro``."""
         return self.batch(microbatch_start(step, micro, micro_batch_size=self.micro_batch_size,
                                            grad_accum_steps=grad_accum_steps, dp_rank=self.dp_rank,
                                            dp_size=self.dp_size, **base))
+
+
+def _documents(doc_ids: np.ndarray) -> Dict[str, Any]:
+    """{"doc_ids", "cu_seqlens"} of a batch's input tokens: the segment boundaries are computed here,
+    on the host, because on the device their count would cost a sync every forward."""
+    import torch
+
+    from ..corpus.doc_mask import cu_seqlens
+
+    ids = torch.from_numpy(np.ascontiguousarray(doc_ids))
+    return {"doc_ids": ids, "cu_seqlens": cu_seqlens(ids)}

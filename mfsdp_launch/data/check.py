@@ -50,6 +50,21 @@ def check_data_config(data_cfg: Any, *, vocab_size: Optional[int], train: Any = 
         _check_tokens(data_cfg, vocab_size, seq_len)
 
 
+def loss_masked_source(data_cfg: Any) -> Optional[str]:
+    """The key of the first ``data.sources`` / ``data.val_sources`` entry with a loss mask (chat data
+    from ``mfsdp-data prepare --chat``), or None; reads manifests only."""
+    if str(cfg_get(data_cfg, "name", "synthetic")) != "tokens":
+        return None
+    from ..corpus import resolve
+    from ..corpus.sources import entry_path
+
+    for key in ("sources", "val_sources"):
+        for i, entry in enumerate(cfg_get(data_cfg, key) or []):
+            if resolve(entry_path(entry), key=f"data.{key}[{i}].path").has_mask:
+                return f"data.{key}[{i}]"
+    return None
+
+
 def check_data_integrity(data_cfg: Any) -> None:
     """The launcher's check of the data's bytes before spawning: every prepared shard of
     ``data.sources`` / ``data.val_sources`` against its manifest's sizes and sampled checksums

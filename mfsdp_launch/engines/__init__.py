@@ -33,6 +33,12 @@ class EngineCaps:
     why_not: str = ""  # appended to refusals: what to use instead
     # optim.name=muon (components/muon.py): Newton-Schulz on DTensor parameters, gathered one at a time.
     muon: bool = False
+    # train.cpu_offload: sharded parameters, gradients and optimizer state in host memory.
+    cpu_offload: bool = False
+    # fp8.recipe=torchao_*: torchao float8 layers (and their FP8 all-gather) under this engine.
+    torchao_fp8: bool = False
+    # mesh.ep > 1: expert weights sharded over the expert-data-parallel ranks (models/llama/expert_parallel.py).
+    expert_parallel: bool = False
     section: type = EngineConfig  # its `engine` config section (engines/config.py)
 
 
@@ -47,6 +53,11 @@ ENGINES: Dict[str, EngineCaps] = {
             # it averages gradients over dp_shard x cp, so all-gather attention runs too.
             tp_modes=frozenset({Parallel.TE, Parallel.REPLICATE}),
             cp_modes=frozenset({Parallel.TE, Parallel.REPLICATE, Parallel.ALLGATHER}),
+            # mesh.ep > 1 not yet: the expert mesh is built and passed (engines/megatron_experts.py;
+            # at ep=1 the experts are its expert parameters), but its expert shards at ep > 1 hold
+            # [experts/ep, ...] tensors that DCP cannot reshard across ep, and 2-GPU EP is the
+            # multi-GPU issue's.
+            expert_parallel=False,
             section=MegatronFSDPConfig,
         ),
         EngineCaps(
@@ -60,6 +71,10 @@ ENGINES: Dict[str, EngineCaps] = {
             # A 2-D mesh: FSDP over dp (x cp, the flattened dp_shard_cp dim), DTensor TP over tp.
             tp_modes=frozenset({Parallel.DTENSOR}), cp_modes=frozenset({Parallel.ALLGATHER}), section=FSDP2Config,
             muon=True,
+            # CPUOffloadPolicy; torchao's Float8Linear and its FP8 all-gather are built for fully_shard.
+            cpu_offload=True, torchao_fp8=True,
+            # The experts' own fully_shard over the expert-data-parallel mesh, as torchtitan's.
+            expert_parallel=True,
         ),
     )
 }

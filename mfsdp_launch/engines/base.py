@@ -33,7 +33,7 @@ class Engine(ABC):
     name = "base"
 
     def __init__(self, *, engine_cfg, sharding_cfg, precision_cfg, dims, mesh, device: torch.device,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, frozen_dtype: Optional[torch.dtype] = None, cpu_offload: bool = False):
         self.engine_cfg = engine_cfg
         self.sharding_cfg = sharding_cfg
         self.precision_cfg = precision_cfg
@@ -42,6 +42,11 @@ class Engine(ABC):
         self.device = device
         # train.cuda_graph=full_iteration; validation allows it with megatron_fsdp only.
         self.cuda_graph_mode = bool(cuda_graph)
+        # The dtype parameters with requires_grad=False are kept in (LoRA's frozen base: the compute
+        # dtype, no main copy); None: as the trained ones. Megatron-FSDP does this by itself.
+        self.frozen_dtype = frozen_dtype
+        # train.cpu_offload (FSDP2 only, validation refuses it elsewhere): sharded state in host memory.
+        self.cpu_offload = bool(cpu_offload)
 
     @abstractmethod
     def shard(self, model: torch.nn.Module, spec, *, init_on_meta: bool) -> torch.nn.Module:
@@ -87,7 +92,7 @@ class Engine(ABC):
         for p in model.parameters():
             if p.grad is not None:
                 grads.append(local_tensor(p.grad))
-                sq += grads[-1].float().pow(2).sum() * self.grad_square_weight(p.grad)
+                sq += grads[-1].float().pow(2).sum().to(sq.device) * self.grad_square_weight(p.grad)
         return sq, grads
 
     def scale_grads(self, grads: List[torch.Tensor], total: torch.Tensor, max_norm: Optional[float]) -> None:
@@ -99,7 +104,8 @@ class Engine(ABC):
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for dtype, gs in by_dtype.items():
-            torch._foreach_mul_(gs, scale.to(dtype))
+            # (on the host under train.cpu_offload, while the norm was summed on the device)
+            torch._foreach_mul_(gs, scale.to(device=gs[0].device, dtype=dtype))
 
     def norm_groups(self) -> List[Any]:
         """The process groups the local squares are summed over (in order) to the global norm's
@@ -131,7 +137,7 @@ class Engine(ABC):
             t = local_tensor(p)
             # Plain tensors only: quantized (FP8) primary weights have no isfinite of their own.
             if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() and t.is_floating_point():
-                bad += (~torch.isfinite(t)).any().float()
+                bad += (~torch.isfinite(t)).any().float().to(bad.device)
         if _world_size() > 1:
             dist.all_reduce(bad)
         return bool(bad.item() == 0)
@@ -149,8 +155,9 @@ class Engine(ABC):
         """{'model': ..., 'optimizer': ...} of (sharded) tensors for DCP. A collective."""
 
     @abstractmethod
-    def load_state_dict(self, model, optimizer, state: Dict[str, Any]) -> None:
-        """Copy a DCP-loaded state into the model (and optimizer when it is in `state`)."""
+    def load_state_dict(self, model, optimizer, state: Dict[str, Any], *, strict: bool = True) -> None:
+        """Copy a DCP-loaded state into the model (and optimizer when it is in `state`).
+        `strict=False`: the model state may hold part of the model's tensors (LoRA adapters)."""
 
     def full_model_state_dict(self, model) -> Dict[str, torch.Tensor]:
         """Unsharded weights with wrapper prefixes removed (for export); collective."""

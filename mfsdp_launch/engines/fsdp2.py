@@ -47,19 +47,31 @@ class FSDP2Engine(Engine):
             output_dtype=None,
         )
         main_dtype = torch_dtype(pc.main_params_dtype) or torch_dtype(pc.compute_dtype)
-        if not init_on_meta:
-            model.to(dtype=main_dtype)
+        if not init_on_meta or self.frozen_dtype is not None:  # (on the meta device: before sharding)
+            _cast(model, main_dtype, self.frozen_dtype)
         mesh = self._shard_mesh()
         reshard = zero is ZeroStrategy.optim_grads_params
         units = [m for m in model.modules() if isinstance(m, spec.unit_modules) and m is not model]
+        offload = {}
+        if self.cpu_offload:  # train.cpu_offload: shards (and so gradients and Adam's moments) on the host
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            offload["offload_policy"] = CPUOffloadPolicy()
+        for experts in [m for m in model.modules() if getattr(m, "fsdp_mesh", None) is not None]:
+            # mesh.ep > 1: the experts' own fully_shard over the expert-data-parallel mesh, before
+            # their block's (models/llama/expert_parallel.py).
+            fully_shard(experts, mesh=experts.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
         if init_on_meta:
-            model.to_empty(device=self.device)
-            model.to(dtype=main_dtype)
+            model.to_empty(device="cpu" if self.cpu_offload else self.device)
+            if self.frozen_dtype is None:
+                model.to(dtype=main_dtype)
             with torch.no_grad():
                 spec.init_weights(model)
+            if self.cpu_offload:
+                _buffers_to(model, self.device)
         return model
 
     def wrap_optimizer(self, model, optimizer):
@@ -69,16 +81,20 @@ class FSDP2Engine(Engine):
         model.set_requires_gradient_sync(sync)
 
     def grad_square_weight(self, grad) -> float:
-        # 2-D (dp, tp) and 1-D (dp) gradients side by side: weight each rank's local squares by
-        # (distinct shards / world), so one all-reduce over all ranks counts every element once.
-        if self.dims.tp == 1:
+        # 2-D (dp, tp) and 1-D (dp) gradients side by side, or experts on (edp, ep) beside dense
+        # weights: weight each rank's local squares by (distinct shards / world), so one all-reduce
+        # over all ranks counts every element once.
+        if not self._mixed_layouts():
             return 1.0
         import torch.distributed as dist
 
         return _distinct_shards(grad) / dist.get_world_size()
 
+    def _mixed_layouts(self) -> bool:
+        return self.dims.tp > 1 or getattr(self.dims, "ep", 1) > 1
+
     def grad_norm_group(self):
-        if self.dims.tp > 1:
+        if self._mixed_layouts():
             import torch.distributed as dist
 
             return dist.group.WORLD
@@ -94,12 +110,33 @@ class FSDP2Engine(Engine):
             out["optimizer"] = get_optimizer_state_dict(model, optimizer)
         return out
 
-    def load_state_dict(self, model, optimizer, state: Dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    def load_state_dict(self, model, optimizer, state: Dict[str, Any], *, strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         if optimizer is not None and "optimizer" in state:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _buffers_to(model, device) -> None:
+    """Offloaded parameters stay on the host; buffers (RoPE tables) are the forward's, on the device."""
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.device != device:
+                persistent = name not in module._non_persistent_buffers_set
+                module.register_buffer(name, buf.to(device), persistent=persistent)
+
+
+def _cast(model, main_dtype, frozen_dtype) -> None:
+    """Trained parameters (and buffers) in the main dtype, frozen ones in `frozen_dtype` (None: the
+    main dtype too). FSDP2 needs one dtype among a unit's trained parameters only."""
+    model.to(dtype=main_dtype)
+    if frozen_dtype is None or frozen_dtype == main_dtype:
+        return
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(frozen_dtype)
 
 
 def _distinct_shards(t) -> int:

@@ -136,6 +136,9 @@ class MegatronFSDPEngine(Engine):
                 hybrid_fsdp_group=(self.mesh[plan.hybrid_fsdp_group_dim].get_group()
                                    if plan.hybrid_fsdp_group_dim else None),
             )
+        from .megatron_experts import expert_kwargs
+
+        kwargs.update(expert_kwargs(model, self.mesh, self.dims, plan))  # a mixture of experts: its mesh
         wrapped = mfsdp.fully_shard_model(**kwargs)
         _restore_hfsdp_grad_scaling(wrapped)
         _avoid_single_rank_premul_sum(wrapped)
@@ -271,7 +274,7 @@ class MegatronFSDPEngine(Engine):
             out[TE_EXTRA_STATE] = te_state
         return out
 
-    def load_state_dict(self, model, optimizer, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, model, optimizer, state: Dict[str, Any], *, strict: bool = True) -> None:
         m = unwrap(model)
         if state.get(TE_EXTRA_STATE):
             # First: loading the weights re-quantizes FP8 primary weights with these scales.
@@ -285,7 +288,7 @@ class MegatronFSDPEngine(Engine):
         # copies the main weights into the compute weights.
         result = m.load_state_dict(msd, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-        if missing:
+        if missing and strict:
             raise RuntimeError(f"the loaded state lacks model keys {missing[:4]}"
                                + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""))
         if optimizer is not None and "optimizer" in state:

@@ -34,9 +34,15 @@ def section_of(name: str) -> type:
 def section_from(values) -> object:
     """A family's typed section from a plain mapping (a checkpoint manifest's `model` section);
     keys the family does not read are dropped."""
+    import dataclasses
+
     section = section_of(str(values.get("name", "gpt")))()
     for key, value in values.items():
         if hasattr(section, key):
+            current = getattr(section, key)
+            if dataclasses.is_dataclass(current) and isinstance(value, dict):  # a nested section (model.peft)
+                names = {f.name for f in dataclasses.fields(current)}
+                value = type(current)(**{k: v for k, v in value.items() if k in names})
             setattr(section, key, value)
     return section
 

@@ -15,16 +15,21 @@ Engine's own `transformer_engine.pytorch.distributed.checkpoint(function, *args,
 re-enters the forward's FP8 autocast and recipe in the recompute. The wrapped callable is the
 layer's bound `forward`, not an nn.Module, so TE takes its own path rather than falling back to
 torch's. tests/gpu/test_te_parallel_gpu.py compares `full` with `none` on a GPU.
+
+`hf` and `custom` checkpoint their FSDP unit modules (an HF model's `_no_split_modules` decoder
+layers, or `model.fsdp_unit_modules`): `checkpoint_units` takes the outermost instances in module
+order, so a unit nested in another unit is never checkpointed twice.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import List
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, List, Sequence
 
 from ..core.schema import ACMode
+
+if TYPE_CHECKING:  # torch-free at import: the memory estimate counts blocks with checkpointed_blocks
+    import torch.nn as nn
 
 
 def checkpointed_blocks(n_blocks: int, mode: ACMode, every: int) -> List[int]:
@@ -39,11 +44,34 @@ def checkpointed_blocks(n_blocks: int, mode: ACMode, every: int) -> List[int]:
 
 def apply_activation_checkpointing(model: nn.Module, mode, every: int = 1) -> List[int]:
     """Checkpoint the blocks of `model.layers` (gpt, te_gpt) per `mode`; returns their indices."""
-    indices = checkpointed_blocks(len(model.layers), mode, every)
+    return checkpoint_blocks(list(model.layers), mode, every)
+
+
+def checkpoint_blocks(blocks: Sequence[nn.Module], mode, every: int = 1) -> List[int]:
+    """Checkpoint `blocks` (in forward order) per `mode`; returns the indices checkpointed."""
+    indices = checkpointed_blocks(len(blocks), mode, every)
     for i in indices:
-        block = model.layers[i]
+        block = blocks[i]
         block.forward = _checkpointed(block.forward, te=is_te_module(block))
     return indices
+
+
+def outermost_units(model: nn.Module, unit_classes: Sequence[type]) -> List[nn.Module]:
+    """The instances of `unit_classes` below the root that no other such instance contains."""
+    classes = tuple(unit_classes)
+    found: List[nn.Module] = []
+    inside = set()
+    for module in model.modules():
+        if module is model or id(module) in inside or not isinstance(module, classes):
+            continue
+        found.append(module)
+        inside.update(id(m) for m in module.modules())
+    return found
+
+
+def checkpoint_units(model: nn.Module, unit_classes: Sequence[type], mode, every: int = 1) -> List[int]:
+    """Checkpoint the model's FSDP unit modules (hf, custom) per `mode`; returns the indices."""
+    return checkpoint_blocks(outermost_units(model, unit_classes), mode, every)
 
 
 def is_te_module(module: nn.Module) -> bool:

@@ -17,12 +17,18 @@ from torch import nn
 from .activation_checkpoint import is_te_module
 
 
-def compile_model(model: nn.Module, unit_classes: Sequence[type]) -> nn.Module:
-    """The module to call for forward: `model` with its units compiled, or torch.compile(model)."""
+def compile_model(model: nn.Module, unit_classes: Sequence[type]) -> tuple[nn.Module, str]:
+    """(the module to call for forward, one line saying what was compiled): `model` with its units
+    compiled, or torch.compile(model)."""
     classes = tuple(unit_classes)
     units = [m for m in model.modules() if classes and isinstance(m, classes) and not is_te_module(m)]
     if not units:
-        return torch.compile(model)
+        kind = "TE layers" if any(is_te_module(m) for m in model.modules()) else "no plain-torch units"
+        return torch.compile(model), (f"train.compile: on: the whole {type(model).__name__} as one region "
+                                      f"({kind}); the first step compiles it")
     for unit in units:
         unit.forward = torch.compile(unit.forward)
-    return model
+    # The declared class, not FSDP2's per-class wrapper type (FSDPBlock).
+    names = sorted({next(c.__name__ for c in classes if isinstance(u, c)) for u in units})
+    return model, (f"train.compile: on: {len(units)} {'/'.join(names)} unit(s) compiled in place, one graph "
+                   "reused by units of the same shapes; the first step compiles it")

@@ -9,9 +9,10 @@ from it. Validation, the dry run, the checkpoint manifest and the worker ask the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, FrozenSet, List, Optional, Sequence
 
 from ..core.errors import ConfigError
+from ..core.fp8 import TE_RECIPES, TORCHAO_RECIPES
 from ..core.parallel import Parallel  # noqa: F401  (families declare their modes with it)
 from ..core.schema import ModelConfig
 from ..core.names import import_object
@@ -34,17 +35,22 @@ class ModelContext:
     fp8_params: bool = False
     data_name: str = "synthetic"
     engine: str = ""  # engine.name ("" when the caller does not say)
+    ep: int = 1  # mesh.ep: ranks the routed experts are split over
 
 
 @dataclass(frozen=True)
 class Support:
-    """A family's answer for one engine: what it does with tp, cp, activation checkpointing and
-    document masks. Validation, the memory estimate and the runtime all read this one answer."""
+    """A family's answer for one engine: what it does with tp, cp, activation checkpointing,
+    document masks, FP8 and CPU offload. Validation, the memory estimate, the runtime and the
+    table in docs/models.md (models/support_table.py) all read this one answer."""
 
     tp: str  # a Parallel mode; NONE where the family has none or the engine does not take it
     cp: str
     activation_checkpointing: bool
     doc_mask: bool
+    fp8: FrozenSet[str] = frozenset()  # the fp8.recipe values it runs (TE's on TE layers, torchao's)
+    cpu_offload: bool = False  # train.cpu_offload: parameters, gradients and optimizer state on the host
+    expert_parallel: bool = False  # mesh.ep > 1: its routed experts split over ranks, tokens sent by all-to-all
 
     @property
     def splits_over_tp(self) -> bool:
@@ -75,6 +81,10 @@ class ModelSpec:
     num_params: int
     flops_per_token: float  # per sample for toys
     vocab_size: Optional[int] = None
+    # Mixture-of-experts models: (model, applied) -> metrics, after every step's optimizer decision
+    # on every rank (a collective; models/llama/moe_stats.py). None: nothing to do.
+    after_step: Optional[Callable[["nn.Module", bool], dict]] = None
+    peft_line: str = ""  # what trains, when model.peft adapted the built model (models/lora.py: adapt)
 
 
 class ModelFamily:
@@ -95,12 +105,28 @@ class ModelFamily:
     activation_checkpointing = False  # has blocks that model.activation_checkpointing can wrap
     # Its loss passes a batch's "doc_ids" (data.doc_mask) on to a forward that masks attention per document.
     doc_mask = False
+    # model.peft (models/lora.py): takes LoRA adapters on its linear layers, over the pretrained
+    # base that the key `base_key` names (`base_dir`).
+    lora = False
+    base_key = ""
+    base_hint = ""  # what `base_key` takes, for the refusal of a LoRA without a base
+    # Its matmuls are plain nn.Linear layers that torchao float8 training can convert (fp8.recipe=torchao_*).
+    torchao_fp8 = False
+    # Its mixture-of-experts layers split their experts over mesh.ep (models/llama/expert_parallel.py).
+    expert_parallel = False
 
     def support(self, engine) -> Support:
         """What this family does under `engine` (an EngineCaps): its modes where the engine takes them."""
+        fp8 = set(TE_RECIPES) if self.has_te_layers else set()
+        if self.torchao_fp8 and engine.torchao_fp8:
+            fp8 |= TORCHAO_RECIPES
         return Support(tp=self.tp_mode if self.tp_mode in engine.tp_modes else Parallel.NONE,
                        cp=self.cp_mode if self.cp_mode in engine.cp_modes else Parallel.NONE,
-                       activation_checkpointing=self.activation_checkpointing, doc_mask=self.doc_mask)
+                       activation_checkpointing=self.activation_checkpointing, doc_mask=self.doc_mask,
+                       fp8=frozenset(str(r) for r in fp8),
+                       # TE layers keep their own FP8 state on the device: offloading them is not wired.
+                       cpu_offload=engine.cpu_offload and not self.has_te_layers,
+                       expert_parallel=self.expert_parallel and engine.expert_parallel)
 
     def parallelize(self, model: "nn.Module", m, dims, mesh) -> None:
         """Tensor parallelism, context parallelism, then activation checkpointing, in place, on the
@@ -148,6 +174,18 @@ class ModelFamily:
         """The memory estimate's activation lines (planner/memory.py); LLM families split off the logits."""
         return {"activations": self.activation_bytes(m, micro_batch_size, seq_len, bytes_per_el), "logits": 0}
 
+    def experts(self, m) -> int:
+        """Routed experts per MoE layer; 0 for a model without experts."""
+        return 0
+
+    def expert_params(self, m) -> int:
+        """Routed-expert weights (what mesh.ep splits over ranks); 0 for a model without experts."""
+        return 0
+
+    def unit_expert_params(self, m) -> int:
+        """Of `largest_unit_params`, the routed-expert weights (mesh.ep gathers 1/ep of them)."""
+        return 0
+
     def largest_unit_params(self, m) -> int:
         """Parameters of the largest FSDP unit (the most one all-gather materializes)."""
         return self.param_count(m)
@@ -163,9 +201,23 @@ class ModelFamily:
         """Fill the sharded, initialized model with weights from outside (pretrained / init_from),
         before the optimizer exists; a checkpoint resume overwrites them afterwards. A collective."""
 
+    def base_dir(self, m) -> Optional[str]:
+        """The local directory its weights start from (a pretrained base), None when initialized."""
+        return None
+
+    def modules(self, m, seq_len: int) -> dict:
+        """{module name: (in_features, out_features) of a linear layer, None for another module} of
+        the built model: what model.peft.targets name."""
+        raise NotImplementedError
+
     def tokenizer_dir(self, m) -> Optional[str]:
         """A directory holding the model's own tokenizer files (mfsdp-generate), if it has one."""
         return None
+
+    def averages_own_loss(self, m) -> bool:
+        """Whether the loss is the model's own scalar mean (model=custom model.loss=model): then the
+        loop cannot weigh loss-masked micro-batches per token (rank/token_weights.py)."""
+        return False
 
 
 def resolve_unit_modules(names: Sequence[str]) -> tuple:

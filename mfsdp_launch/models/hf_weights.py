@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 from ..core.errors import ConfigError
 from .llama.hf_export import INDEX_FILE, SINGLE_FILE
 from .llama.hf_keys import Segment, is_ignored
+from .lora import base_name
 
 if TYPE_CHECKING:
     import torch
@@ -196,7 +197,7 @@ def load_hf_weights(state: Mapping[str, "torch.Tensor"], hf_dir: str | Path, *,
     safetensors in `hf_dir`, reading only each rank's rows.
 
     `sources`: {unwrapped name: row segments} (`llama_keys.sources(dims, model)`), or None when
-    the names are HF's own (`model=hf`). Tied entries (one storage under two names) are filled
+    the names are HF's own (`model=hf`); LoRA adapters are left out (models/lora.py: base_name). Tied entries (one storage under two names) are filled
     once, from whichever name the files hold; TE `_extra_state` entries are skipped. Anything
     missing or of the wrong shape is one ConfigError under `key`. Not a collective.
     """
@@ -205,8 +206,11 @@ def load_hf_weights(state: Mapping[str, "torch.Tensor"], hf_dir: str | Path, *,
     from ..engines.base import strip_prefixes
 
     files_map = weight_files(hf_dir, key=key)
-    targets = {strip_prefixes(k): v for k, v in state.items()
-               if isinstance(v, torch.Tensor) and not is_ignored(k)}
+    # Under LoRA (models/lora.py) the adapted layers' weights load by the base's names, and the
+    # adapters (not in the files) keep their init.
+    named = {k: base_name(strip_prefixes(k)) for k in state}
+    targets = {named[k]: v for k, v in state.items()
+               if isinstance(v, torch.Tensor) and not is_ignored(k) and named[k] is not None}
     if sources is None:
         sources = {k: [Segment(k, 0, v.shape[0] if v.ndim else 1)] for k, v in targets.items()}
     first = _alias_groups(targets)

@@ -18,14 +18,27 @@ def _gpt_logits(model: "nn.Module", batch: dict) -> "torch.Tensor":
     """A batch with "doc_ids" (data.doc_mask) passes them on, so that attention stays inside each
     document."""
     doc_ids = batch.get("doc_ids")
-    return model(batch["input_ids"]) if doc_ids is None else model(batch["input_ids"], doc_ids=doc_ids)
+    if doc_ids is None:
+        return model(batch["input_ids"])
+    cu = batch.get("cu_seqlens")
+    return model(batch["input_ids"], doc_ids=doc_ids) if cu is None else model(batch["input_ids"], doc_ids=doc_ids,
+                                                                                cu_seqlens=cu)
+
+
+def target_mean_cross_entropy(logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+    """Mean cross-entropy over the target tokens (labels != IGNORE_INDEX), in fp32: 0, not NaN, for
+    a micro-batch without any (a loss-masked SFT batch can hold none; the loop then weighs it 0).
+    Bitwise F.cross_entropy's mean otherwise (its mean is this sum over the same count)."""
+    import torch.nn.functional as F
+
+    labels = labels.flatten()
+    total = F.cross_entropy(logits.float().flatten(0, 1), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
-    """Mean next-token cross-entropy over all tokens, computed in fp32."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(_gpt_logits(model, batch).float().flatten(0, 1), batch["labels"].flatten())
+    """Mean next-token cross-entropy over the target tokens, computed in fp32."""
+    return target_mean_cross_entropy(_gpt_logits(model, batch), batch["labels"])
 
 
 def te_fused_lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
@@ -67,13 +80,22 @@ def output_logits(out: Any) -> "torch.Tensor":
 def cross_entropy_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
     """Mean next-token cross-entropy (fp32) of `model(input_ids)`'s logits against the
     pre-shifted labels."""
-    import torch.nn.functional as F
-
     logits, labels = output_logits(model(batch["input_ids"])), batch["labels"]
     if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
         raise RuntimeError(f"model.loss=cross_entropy: the model returned {tuple(logits.shape)} for input_ids "
                            f"{tuple(labels.shape)}; the contract is logits [B, T, vocab]")
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    return target_mean_cross_entropy(logits, labels)
+
+
+def hf_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """`cross_entropy_loss` for model=hf; a batch with "doc_ids" (data.doc_mask) runs attention per
+    document, positions restarting in each (models/doc_attention.py)."""
+    if batch.get("doc_ids") is None:
+        return cross_entropy_loss(model, batch)
+    from .doc_attention import hf_document_logits
+
+    logits = hf_document_logits(model, batch["input_ids"], batch["doc_ids"], batch.get("cu_seqlens"))
+    return target_mean_cross_entropy(logits, batch["labels"])
 
 
 def model_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":

@@ -11,6 +11,9 @@ from .llama.dims import lm_flops_per_token
 
 class MeasuredFamily(ModelFamily):
     measured = True
+    # model.activation_checkpointing wraps the FSDP unit modules (models/activation_checkpoint.py).
+    activation_checkpointing = True
+    torchao_fp8 = True  # torchao converts the model's nn.Linear layers (components/float8.py)
 
     def probe(self, m) -> dict:
         """The meta-device measurements of this model config (cached for the run)."""
@@ -29,8 +32,20 @@ class MeasuredFamily(ModelFamily):
 
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
         p = self.probe(m)
-        return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, m.activation_checkpointing != "none",
-                                  p["vocab_size"])
+        return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, p["vocab_size"],
+                                  mode=str(m.activation_checkpointing), every=m.ac_every)
+
+    def unit_classes(self, m) -> tuple:
+        """The FSDP unit classes the probe found (model.fsdp_unit_modules, or the model's own)."""
+        from .family import resolve_unit_modules
+
+        return resolve_unit_modules(self.probe(m)["unit_classes"])
+
+    def apply_activation_checkpointing(self, model, m) -> None:
+        if str(m.activation_checkpointing) != "none":
+            from .activation_checkpoint import checkpoint_units
+
+            checkpoint_units(model, self.unit_classes(m), m.activation_checkpointing, m.ac_every)
 
     def largest_unit_params(self, m) -> int:
         return self.probe(m)["largest_unit_params"]

@@ -25,6 +25,19 @@ def meta_names(model_cfg, seq_len: int) -> Tuple[List[str], List[str]]:
     return [n for n, _ in model.named_parameters()], [n for n, _ in model.named_modules() if n]
 
 
+def meta_modules(model_cfg, seq_len: int) -> dict:
+    """models/lora.py's module table of the model built on the meta device."""
+    import torch
+
+    from . import build_model_spec
+    from .lora import module_table
+
+    spec = build_model_spec(model_cfg, seq_len)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return module_table(spec.build())
+
+
 def te_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 

@@ -118,8 +118,12 @@ def param_digest(model: "nn.Module") -> str:
 def activation_elements(model: "nn.Module", unit_classes: Sequence[type] = ()) -> Dict[str, int]:
     """Rough elements kept for backward per token (a lower bound, as for `gpt`): each Linear's
     input and output, each norm's input. `per_token`: everything; `per_token_ckpt`: with each
-    unit recomputed in backward (its input stays, plus one unit's full set)."""
+    unit recomputed in backward (its input stays, plus one unit's full set); `units`,
+    `unit_elements` (per unit, the largest `unit_max`) and `width` let `activation_bytes` price
+    checkpointing some of the units (model.activation_checkpointing=selective)."""
     from torch import nn
+
+    from .activation_checkpoint import outermost_units
 
     def elements(root) -> int:
         total = 0
@@ -133,13 +137,15 @@ def activation_elements(model: "nn.Module", unit_classes: Sequence[type] = ()) -
         return total
 
     full = elements(model)
-    units = [m for m in model.modules() if unit_classes and isinstance(m, tuple(unit_classes)) and m is not model]
+    units = outermost_units(model, unit_classes) if unit_classes else []
     if not units:
-        return {"per_token": full, "per_token_ckpt": full}
+        return {"per_token": full, "per_token_ckpt": full, "units": 0, "unit_elements": 0, "unit_max": 0,
+                "width": 0}
     per_unit = [elements(u) for u in units]
     width = _hidden_width(model)
     ckpt = full - sum(per_unit) + max(per_unit) + len(units) * width
-    return {"per_token": full, "per_token_ckpt": min(full, ckpt)}
+    return {"per_token": full, "per_token_ckpt": min(full, ckpt), "units": len(units),
+            "unit_elements": sum(per_unit) // len(units), "unit_max": max(per_unit), "width": width}
 
 
 def _hidden_width(model: "nn.Module") -> int:
@@ -179,8 +185,19 @@ def measure(model: "nn.Module", unit_classes: Sequence[type]) -> Dict[str, Any]:
 
 
 def activation_bytes(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, bytes_per_el: int,
-                     checkpointing: bool, vocab_size: Optional[int]) -> int:
-    """Bytes of activations from a probe's per-token elements, plus the logits' fp32 copy."""
-    per_token = p["activations"]["per_token_ckpt" if checkpointing else "per_token"]
+                     vocab_size: Optional[int], *, mode: str = "none", every: int = 1) -> int:
+    """Bytes of activations from a probe's per-token elements (model.activation_checkpointing
+    `mode`, every `every`-th unit when selective), plus the logits' fp32 copy."""
+    from .activation_checkpoint import checkpointed_blocks
+
+    a = p["activations"]
+    n = int(a.get("units", 0))
+    k = len(checkpointed_blocks(n, mode, every)) if n else 0
+    if k == 0:
+        per_token = a["per_token"]
+    elif k == n:
+        per_token = a["per_token_ckpt"]
+    else:  # k of n units keep only their input; a unit recomputes after the later ones were freed
+        per_token = a["per_token"] - k * (a["unit_elements"] - a["width"])
     tokens = micro_batch_size * seq_len
     return int(tokens * (per_token * bytes_per_el + 4 * (vocab_size or 0)))

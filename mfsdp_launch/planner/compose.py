@@ -38,10 +38,11 @@ def config_dir() -> Path:
     raise RuntimeError(f"mfsdp-launch configs not found (looked in {packaged} and {source})")
 
 
+@functools.lru_cache(maxsize=None)
 def register_schema() -> None:
     """The typed schema, and each config group option's own section (Hydra's structured-config
     groups): configs/model/gpt.yaml starts from GPTModelConfig, so a key that family does not read
-    is unknown there."""
+    is unknown there. Once a process: the store keeps them and hands out deep copies."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from .memory import GIB, estimate
+from .memory import GIB, estimate, expert_share, host_line
 from ..mesh import ParallelDims, world_size
 from ..models import family
 
@@ -53,6 +53,7 @@ def render(cfg, warnings: List[str], console=None, dims: Optional[ParallelDims] 
         g = dims.groups_of(row["rank"])
         table.add_row(*(str(row[c]) for c in coords), *(_short(g[k]) for k in group_dims))
     console.print(table)
+    _render_experts(cfg, dims, console)
 
     fam = family(cfg.model.name)
     n_params = fam.param_count(cfg.model)
@@ -65,10 +66,46 @@ def render(cfg, warnings: List[str], console=None, dims: Optional[ParallelDims] 
         mt.add_row(key, f"{value / GIB:.3f}")
     mt.add_row("[bold]total[/bold]", f"[bold]{mem.total / GIB:.3f}[/bold]")
     console.print(mt)
+    host = host_line(cfg, dims)
+    if host:
+        console.print(host, markup=False)
+    experts = expert_share(cfg, dims, mem)
+    if experts:
+        dense = mem.params + mem.main_params + mem.grads + mem.optimizer - experts
+        console.print(f"of params+main_params+grads+optimizer: experts {experts / GIB:.3f} GiB, dense {dense / GIB:.3f} "
+                      "GiB per rank", markup=False)
     for w in warnings:
         console.print("warning: " + w, style="yellow", markup=False)
     if not warnings:
         console.print("no warnings")
+
+
+def _render_experts(cfg, dims: ParallelDims, console) -> None:
+    """A mixture of experts: how mesh.ep splits the experts, and each rank's ep and edp groups
+    (mfsdp_launch/mesh.py)."""
+    from rich import box
+    from rich.table import Table
+
+    fam = family(cfg.model.name)
+    experts = fam.experts(cfg.model)
+    if not experts:
+        return
+    console.print(f"expert mesh: mesh.ep={dims.ep} x edp={dims.edp} (of dp_shard*cp={dims.shard_size}"
+                  + (f", x dp_outer={dims.dp_outer}" if dims.dp_outer > 1 else "") + f"): each rank holds "
+                  f"{experts // dims.ep} of the {experts} experts of every MoE layer, sharded over its edp group; "
+                  + ("tokens reach them by all-to-all over the ep group" if dims.ep > 1 else "no all-to-all"),
+                  markup=False)
+    if dims.ep == 1:
+        return
+    table = Table(title="expert groups", box=box.SIMPLE_HEAD)
+    for col in ("rank", "experts", "ep group", "edp group"):
+        table.add_column(col, justify="right")
+    per = experts // dims.ep
+    for rank in range(dims.world_size):
+        g = dims.expert_groups_of(rank)
+        first = g["ep"].index(rank) * per
+        table.add_row(str(rank), f"{first}-{first + per - 1}", _short(g["ep"]), _short(g["edp"]))
+    console.print(table)
 
 
 def save_schedule(ck, steps: int, start: int = 0) -> str:

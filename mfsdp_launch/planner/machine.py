@@ -10,7 +10,7 @@ from ..engines import engine_caps
 from ..core.errors import ConfigError
 from ..core.hardware import local_gpu_count
 from ..models import family
-from ..core.fp8 import FP8Recipe
+from ..core.fp8 import FP8Recipe, is_torchao
 from ..core.schema import Backend, LossKernel, OptimImpl
 from ..core.names import first_line
 
@@ -40,13 +40,16 @@ def check_installs(cfg, probe: bool) -> None:
     if cfg.engine.name == "megatron_fsdp":
         wanted.append(("engine", "engine=megatron_fsdp", "megatron_fsdp", "pip install 'megatron-fsdp>=0.6.1'"))
     te_users = [("model", f"model={cfg.model.name}", family(cfg.model.name).has_te_layers),
-                ("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}", cfg.fp8.recipe != FP8Recipe.none),
+                ("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}",
+                 cfg.fp8.recipe != FP8Recipe.none and not is_torchao(cfg.fp8.recipe)),
                 ("optim.impl", "optim.impl=te_fused", cfg.optim.impl == OptimImpl.te_fused),
                 ("model.loss_kernel", "model.loss_kernel=te_fused", uses_fused_loss(cfg))]
     for key, what, used in te_users:
         if used:
             wanted.append((key, what, "transformer_engine.pytorch", "pip install 'mfsdp-launch[te]'"))
             break
+    if is_torchao(cfg.fp8.recipe):
+        wanted.append(("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}", "torchao.float8", "pip install 'mfsdp-launch[torchao]'"))
     if cfg.logging.tensorboard:  # (torch.utils.tensorboard imports it)
         wanted.append(("logging.tensorboard", "logging.tensorboard=true", "tensorboard",
                        "pip install tensorboard, or logging.tensorboard=false"))
@@ -91,6 +94,17 @@ def check_fused_optim(cfg) -> None:
     if problem:
         raise ConfigError("optim.impl", f"fused: this torch has no fused AdamW on the CPU ({problem[:160]})",
                           "torch|foreach")
+
+
+def refuse_gpu_only(cfg, where: str) -> None:
+    """One line for a setting that only means something on a GPU, on a run that is on the CPU
+    (`where` says how we know): nothing to offload, no FP8 matmuls."""
+    if cfg.train.cpu_offload:
+        raise ConfigError("train.cpu_offload", f"true moves the sharded state from the GPU to host memory, but "
+                          f"{where}: there it lives in host memory already", "false")
+    if is_torchao(cfg.fp8.recipe):
+        raise ConfigError("fp8.recipe", f"{cfg.fp8.recipe}: torchao float8 runs FP8 matmuls on CUDA GPUs of "
+                          f"compute capability 8.9+; {where}", "none")
 
 
 def check_gpus(cfg) -> None:

@@ -14,6 +14,8 @@ A model of the engine's buffers, not a measurement, calibrated against the peaks
   FSDP2 at ZeRO 0-2 the parameters stay unsharded from forward to backward: the whole model.
 * activations and logits: from the model family (`activation_checkpointing`, `tp`), divided by
   `cp` (each context-parallel rank holds seq/cp tokens: models/cp_layout.py).
+* LoRA (model.peft): the frozen base has compute-dtype weights only (no main copy, gradient or
+  optimizer state); main weights, gradients and Adam's moments are the adapters' alone.
 * fp8_weights: TE's FP8 copies of the block weights, kept from forward to backward (FP8 recipes
   without fp8.params).
 * allocator: the caching allocator's slack over what is allocated (`ALLOCATOR_SLACK` of the
@@ -37,7 +39,7 @@ from ..core.sharding import ZeroStrategy, shard_factors
 from ..core.errors import ConfigError
 from ..engines import engine_caps
 from ..mesh import ParallelDims
-from ..models import family
+from ..models import family, lora
 
 GIB = 1024**3
 # TE keeps each block's FP8 weight (1 byte per element) and part of its transpose from forward to
@@ -59,18 +61,25 @@ class MemoryEstimate:
     logits: float = 0.0
     fp8_weights: float = 0.0
     allocator: float = 0.0
+    # train.cpu_offload: the sharded state each rank keeps in host memory instead (not a GPU line).
+    host: float = 0.0
 
     @property
     def total(self) -> float:
         return sum(self.as_dict().values())
 
     def as_dict(self) -> Dict[str, float]:
-        return asdict(self)
+        """The GPU's lines (the dry run's table; `total` sums them)."""
+        lines = asdict(self)
+        lines.pop("host")
+        return lines
 
 
 def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
     fam, m, pc, t = family(cfg.model.name), cfg.model, cfg.precision, cfg.train
     n = fam.param_count(m)
+    # (trainable, frozen) parameters: LoRA trains its adapters over a frozen base.
+    train_n, frozen_n = (lora.adapter_params(fam.modules(m, t.seq_len), m.peft), n) if lora.enabled(m) else (n, 0)
     compute_b = Dtype(pc.compute_dtype or Dtype.fp32).bytes
     weight_b = 1 if cfg.fp8.params else compute_b  # fp8.params: the compute weights are FP8
     main_b = Dtype(pc.main_params_dtype).bytes if pc.main_params_dtype else 0
@@ -86,13 +95,14 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
     tp = dims.tp if fam.support(engine_caps(cfg.engine.name)).splits_over_tp else 1  # toys replicate
     if tp > 1:
         n, unit = _tp_params(fam, m, n, unit, tp)
+        train_n, frozen_n = (train_n, n) if frozen_n else (n, 0)
     parts = fam.activation_parts(m, t.micro_batch_size, t.seq_len, compute_b, tp=tp)
     cp = max(dims.cp, 1)
     est = MemoryEstimate(
-        params=n * weight_b / f["params"],
-        main_params=n * main_b / f["main_params"],
-        grads=n * grad_b / f["grads"],
-        optimizer=n * optim_b / f["optimizer"],
+        params=(train_n + frozen_n) * weight_b / f["params"],
+        main_params=train_n * main_b / f["main_params"],
+        grads=train_n * grad_b / f["grads"],
+        optimizer=train_n * optim_b / f["optimizer"],
         gathered_units=2 * unit * weight_b if f["params"] > 1 else 0.0,
         activations=parts["activations"] / cp,
         logits=parts["logits"] / cp,
@@ -100,8 +110,12 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
     )
     reserve = 0.0
     if cfg.engine.name == "fsdp2":
-        _as_fsdp2(est, n, unit, weight_b, main_b, grad_b, zero, dims, t.grad_accum_steps)
+        _as_fsdp2(est, (train_n, frozen_n), unit, weight_b, main_b, grad_b, zero, dims, t.grad_accum_steps)
+        _experts_over_ep(est, fam.expert_params(m), fam.unit_expert_params(m), weight_b, zero, dims)
         reserve = _fsdp2_tp_reserve(n, grad_b, zero, dims, tp)
+    if t.cpu_offload:  # FSDP2's CPUOffloadPolicy: only gathered units and activations stay on the GPU
+        # (FSDP2's sharded gradients take the sharded parameters' dtype)
+        _offload_to_host(est, train_n * (main_b or weight_b) / _fsdp2_shards(zero, dims))
     est.allocator = ALLOCATOR_SLACK * (est.activations + est.logits + est.gathered_units) + reserve
     return est
 
@@ -121,18 +135,43 @@ def _fsdp2_shards(zero: ZeroStrategy, dims: ParallelDims) -> int:
     return 1 if zero is ZeroStrategy.no_shard else dims.shard_size
 
 
-def _as_fsdp2(est: MemoryEstimate, n: float, unit: float, weight_b: int, main_b: int, grad_b: int,
+def _as_fsdp2(est: MemoryEstimate, counts: tuple, unit: float, weight_b: int, main_b: int, grad_b: int,
               zero: ZeroStrategy, dims: ParallelDims, grad_accum: int) -> None:
     """FSDP2 (engines/fsdp2.py): the sharded parameters are the main weights (one copy); ZeRO 2-3
     shard everything over dp_shard (x cp), ZeRO 0 replicates; below ZeRO-3 the compute-dtype copy of
-    every unit stays gathered from forward to backward; gradients are freed at zero_grad."""
+    every unit stays gathered from forward to backward; gradients are freed at zero_grad.
+    `counts`: (trainable, frozen) parameters; frozen ones are kept in the compute dtype."""
+    train_n, frozen_n = counts
+    n = train_n + frozen_n
     shards = _fsdp2_shards(zero, dims)
     if main_b:
-        est.params, est.main_params = 0.0, n * main_b / shards
+        est.params, est.main_params = frozen_n * weight_b / shards, train_n * main_b / shards
     else:
         est.params, est.main_params = n * weight_b / shards, 0.0
     est.gathered_units = 2 * unit * weight_b if zero is ZeroStrategy.optim_grads_params else n * weight_b
-    est.grads = n * grad_b / shards if grad_accum > 1 else 0.0
+    est.grads = train_n * grad_b / shards if grad_accum > 1 else 0.0
+
+
+def _experts_over_ep(est: MemoryEstimate, n_experts: int, unit_experts: int, weight_b: int,
+                     zero: ZeroStrategy, dims: ParallelDims) -> None:
+    """mesh.ep > 1 (FSDP2 at ZeRO 2-3, what validation lets through): the sharded state is what it
+    was (each rank's E/ep experts over edp = dp_shard*cp/ep ranks, the dense weights over
+    dp_shard*cp), but what is all-gathered holds only the E/ep experts of the rank's ep slot."""
+    if dims.ep == 1 or not n_experts:
+        return
+    gathered = 2 * unit_experts if zero is ZeroStrategy.optim_grads_params else n_experts
+    est.gathered_units -= gathered * weight_b * (1 - 1 / dims.ep)
+
+
+def expert_share(cfg, dims: ParallelDims, est: MemoryEstimate) -> float:
+    """Bytes of the routed experts in the params, main_params, grads and optimizer lines (the dry
+    run's expert/dense split): their share of the parameters, sharded as the dense ones are."""
+    fam = family(cfg.model.name)
+    n_experts = fam.expert_params(cfg.model)
+    if not n_experts:
+        return 0.0
+    state = est.params + est.main_params + est.grads + est.optimizer
+    return state * n_experts / fam.param_count(cfg.model)
 
 
 def _fp8_weight_bytes(cfg, fam, tp: int) -> float:
@@ -191,3 +230,63 @@ def parse_memory_total(text: str) -> Optional[float]:
     """nvidia-smi's `memory.total` lines (MiB, one per GPU) -> bytes of the smallest GPU."""
     mib = [float(line) for line in (line.strip() for line in text.splitlines()) if line.replace(".", "", 1).isdigit()]
     return min(mib) * 1024**2 if mib else None
+
+
+# --- train.cpu_offload: host memory ---------------------------------------------------------------
+
+# Each rank process's own host memory besides the offloaded state: torch, the CUDA context, the
+# pinned staging of one unit's copies. A rough figure (not profiled), so the line is an estimate.
+HOST_PER_RANK = 3 * GIB
+
+
+def _offload_to_host(est: MemoryEstimate, grads: float) -> None:
+    """Sharded weights, gradients (alive from backward to the step, on the host) and Adam's
+    moments move to host memory."""
+    est.host = est.params + est.main_params + max(est.grads, grads) + est.optimizer
+    est.params = est.main_params = est.grads = est.optimizer = 0.0
+
+
+def host_bytes_per_node(cfg, dims: ParallelDims) -> Optional[float]:
+    """Host memory one node needs under train.cpu_offload (its ranks' offloaded state plus
+    HOST_PER_RANK each); None without offload."""
+    if not cfg.train.cpu_offload:
+        return None
+    return cfg.launcher.nproc_per_node * (estimate(cfg, dims).host + HOST_PER_RANK)
+
+
+def host_memory_bytes() -> Optional[float]:
+    """This machine's physical memory (MemTotal of /proc/meminfo); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_line(cfg, dims: ParallelDims) -> Optional[str]:
+    """The dry run's host-memory line under train.cpu_offload."""
+    need = host_bytes_per_node(cfg, dims)
+    if need is None:
+        return None
+    have = host_memory_bytes()
+    line = (f"host memory per node (train.cpu_offload): ~{need / GIB:.1f} GiB for "
+            f"{cfg.launcher.nproc_per_node} rank(s)")
+    if have is not None:
+        line += f"; this machine has {have / GIB:.1f} GiB" + (" (a run here is refused)" if need > have else "")
+    return line
+
+
+def check_host_fits(cfg, dims: ParallelDims) -> Optional[str]:
+    """Refuse (ConfigError) a train.cpu_offload run this host cannot hold; with
+    launcher.force_memory, the same sentence as a warning."""
+    need, have = host_bytes_per_node(cfg, dims), host_memory_bytes()
+    if need is None or have is None or need <= have:
+        return None
+    msg = (f"needs ~{need / GIB:.1f} GiB of host memory per node for the offloaded state, this machine has "
+           f"{have / GIB:.1f}: use more nodes (mesh.dp_shard over them), fewer ranks per node or train.cpu_offload=false")
+    if cfg.launcher.force_memory:
+        return msg + " (launcher.force_memory=true: starting anyway)"
+    raise ConfigError("train.cpu_offload", msg, "launcher.force_memory=true to start anyway")

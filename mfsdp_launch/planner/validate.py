@@ -12,15 +12,16 @@ from omegaconf import OmegaConf
 from ..components.profiling import check_profile
 from ..core.dtypes import Dtype
 from ..core.errors import ConfigError
-from ..core.fp8 import FP8Recipe
+from ..core.fp8 import FP8Recipe, is_torchao
 from ..core.globs import check_globs_match
 from ..core import k8s, storage
-from ..core.schema import KUBERNETES_KINDS, ACMode, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
+from ..core.schema import KUBERNETES_KINDS, ACMode, Backend, CudaGraphMode, LauncherKind, OptimImpl, ResumeMode
+from ..core.schema import KeepBest
 from ..core.schema import OptimConfig, OptimName, Schedule
 from ..core.sharding import ZeroStrategy, check_sharding, single_node_outer_warning
 from ..engines import ENGINES, EngineCaps, engine_caps
 from ..mesh import ParallelDims, world_size
-from ..models import FAMILIES, ModelContext, family
+from ..models import FAMILIES, ModelContext, family, lora
 from ..models.family import Parallel, Support
 from ..models.meta import meta_names, meta_names_isolated
 from . import machine
@@ -46,7 +47,10 @@ def validate(cfg, dims: Optional[ParallelDims] = None, *, check_hardware: bool =
     warnings += _check_train(cfg, caps)
     _check_optim(cfg.optim, dims, caps)
     _check_checkpoint(cfg.checkpoint)
+    _check_keep_best(cfg)
     if check_hardware and cfg.launcher.kind == LauncherKind.torchrun:
+        if not machine.local_gpu_count():  # (before importing what they would need)
+            machine.refuse_gpu_only(cfg, "this machine has no CUDA GPU")
         machine.check_installs(cfg, probe=True)
         machine.check_gpus(cfg)
         machine.check_fused_optim(cfg)
@@ -133,6 +137,13 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
         if f.attention:
             raise ConfigError("fp8.attention", "true has no effect with fp8.recipe=none", "false, or fp8.recipe=delayed|current")
         return
+    if is_torchao(f.recipe):
+        from ..components import float8
+
+        float8.check_config(f, supported=family(cfg.model.name).support(caps).fp8, model=cfg.model.name,
+                            engine=caps.name, engine_takes=caps.torchao_fp8, tp=int(cfg.mesh.tp),
+                            torchao_models=[n for n, fam in FAMILIES.items() if fam.torchao_fp8])
+        return
     if f.attention and f.recipe not in (FP8Recipe.delayed, FP8Recipe.current):
         raise ConfigError("fp8.attention", f"FP8 attention is wired for delayed and current scaling, not '{f.recipe}'",
                           "false, or fp8.recipe=delayed|current")
@@ -145,7 +156,9 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
     if not family(cfg.model.name).has_te_layers:
         te_models = [name for name, fam in FAMILIES.items() if fam.has_te_layers]
         raise ConfigError("fp8.recipe", f"'{f.recipe}' would do nothing: model={cfg.model.name} has no "
-                          "Transformer Engine layers", "none, or model=" + "|".join(te_models))
+                          "Transformer Engine layers", "none, model=" + "|".join(te_models)
+                          + (", or fp8.recipe=torchao_tensorwise|torchao_rowwise (torchao, no TE)"
+                             if family(cfg.model.name).torchao_fp8 else ""))
     if f.amax_history_len < 1:
         raise ConfigError("fp8.amax_history_len", f"must be >= 1, got {f.amax_history_len}")
     if not f.params:
@@ -169,12 +182,13 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     ctx = ModelContext(tp=dims.tp, cp=dims.cp, seq_len=cfg.train.seq_len,
                        micro_batch_size=cfg.train.micro_batch_size, fp8_recipe=str(cfg.fp8.recipe),
                        fp8_skip=tuple(cfg.fp8.skip), fp8_params=bool(cfg.fp8.params),
-                       data_name=str(cfg.data.name), engine=caps.name)
+                       data_name=str(cfg.data.name), engine=caps.name, ep=dims.ep)
     heads = fam.n_heads(m)
     if heads is not None and heads % dims.tp:
         raise ConfigError("mesh.tp", f"{dims.tp} does not divide the {heads} attention heads of model={fam.name}")
     warnings = fam.check(m, ctx)
     support = fam.support(caps)
+    _check_experts(cfg, fam, support, caps, dims)
     _check_activation_checkpointing(m, fam.name, support)
     if dims.tp > 1:
         _check_tp(fam, support, caps)
@@ -186,17 +200,21 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
                           f"a multiple of {2 * dims.cp}")
     if (m.freeze or cfg.fp8.skip) and not fam.measured:
         _check_name_globs(cfg, fam)
+    lora.check_config(m, fam, seq_len=cfg.train.seq_len, tp=dims.tp,
+                      cuda_graph=cfg.train.cuda_graph == CudaGraphMode.full_iteration,
+                      lora_families=[name for name, f in FAMILIES.items() if f.lora])
     return warnings
 
 
 def _check_memory(cfg, dims: ParallelDims) -> List[str]:
     """The dry run's estimate against the GPU's memory (planner/memory.py), GPU runs only."""
-    from .memory import check_fits, estimate, gpu_memory_bytes
+    from .memory import check_fits, check_host_fits, estimate, gpu_memory_bytes
 
     if cfg.engine.backend == "gloo":
         return []
-    msg = check_fits(estimate(cfg, dims).total, gpu_memory_bytes(), force=cfg.launcher.force_memory)
-    return [msg] if msg else []
+    msgs = [check_fits(estimate(cfg, dims).total, gpu_memory_bytes(), force=cfg.launcher.force_memory),
+            check_host_fits(cfg, dims)]  # train.cpu_offload's host memory
+    return [m for m in msgs if m]
 
 
 def _engines_taking(kind: str, mode: str) -> str:
@@ -209,8 +227,8 @@ def _check_tp(fam, support: Support, caps: EngineCaps) -> None:
         return
     if fam.tp_mode == Parallel.DTENSOR:
         raise ConfigError("mesh.tp", f"engine={caps.name} with model={fam.name}'s DTensor tensor parallelism is "
-                          "not supported: Megatron-FSDP 0.6.1 takes DTensor parameters, but this plan "
-                          "redistributes its fused weights inside forward, never run on Megatron-FSDP's "
+                          "not supported: Megatron-FSDP 0.6.1 takes DTensor parameters, but the DTensor plans "
+                          "here (gpt's redistributes its fused weights inside forward) never ran on Megatron-FSDP's "
                           "swapped-in parameters", "1, engine=fsdp2, or model=te_gpt (TE's own TP)")
     raise ConfigError("mesh.tp", f"model={fam.name} has no tensor parallelism under engine={caps.name} yet", "1")
 
@@ -233,12 +251,31 @@ def _check_cp(cfg, fam, support: Support, caps: EngineCaps) -> None:
                           "false, or mesh.cp=1")
 
 
+def _check_experts(cfg, fam, support: Support, caps: EngineCaps, dims: ParallelDims) -> None:
+    """mesh.ep > 1 (the family checked that ep divides its experts; mesh.py that it divides
+    dp_shard x cp), and what a mixture of experts does not run with."""
+    if fam.expert_params(cfg.model) and cfg.train.cuda_graph == CudaGraphMode.full_iteration:
+        raise ConfigError("train.cuda_graph", "full_iteration cannot capture a mixture of experts: its token "
+                          "counts per expert change every step", "none")
+    if dims.ep == 1:
+        return
+    if not support.expert_parallel:
+        engines = "|".join(n for n, c in ENGINES.items() if c.expert_parallel)
+        why = (f"model={fam.name} has no experts to split" if not fam.expert_parallel else
+               f"engine={caps.name} does not split experts over mesh.ep yet (engines/__init__.py says why)")
+        raise ConfigError("mesh.ep", f"{dims.ep}: {why}", f"1, or engine={engines} with model.moe")
+    if cfg.sharding.zero_dp_strategy == ZeroStrategy.no_shard:
+        raise ConfigError("sharding.zero_dp_strategy", f"no_shard with mesh.ep={dims.ep} is not wired: the "
+                          "experts are sharded over their expert-data-parallel ranks", "optim_grads|optim_grads_params")
+
+
 def _check_activation_checkpointing(m, name: str, support: Support) -> None:
     if m.ac_every < 1:
         raise ConfigError("model.ac_every", f"must be >= 1, got {m.ac_every}", "N: checkpoint every N-th block")
     if m.activation_checkpointing != ACMode.none and not support.activation_checkpointing:
-        raise ConfigError("model.activation_checkpointing", f"{m.activation_checkpointing}: model={name} has "
-                          "no transformer blocks to checkpoint", "none")
+        able = "|".join(n for n, f in FAMILIES.items() if f.activation_checkpointing)
+        raise ConfigError("model.activation_checkpointing", f"{m.activation_checkpointing}: model={name} does not "
+                          "wrap its layers for activation checkpointing", f"none, or model={able}")
 
 
 def _check_name_globs(cfg, fam) -> None:
@@ -263,13 +300,35 @@ def _check_name_globs(cfg, fam) -> None:
 
 
 def _check_data(cfg) -> None:
-    from ..data import check_data_config
+    from ..data import check_data_config, loss_masked_source
 
     fam = family(cfg.model.name)
     check_data_config(cfg.data, vocab_size=fam.vocab_size(cfg.model), train=cfg.train)
     if cfg.data.doc_mask and not fam.support(engine_caps(cfg.engine.name)).doc_mask:
         raise ConfigError("data.doc_mask", f"model={fam.name} cannot mask attention per document",
                           ["false"] + [f"model={name}" for name, f in FAMILIES.items() if f.doc_mask])
+    if cfg.data.doc_mask and cfg.train.cuda_graph == CudaGraphMode.full_iteration:
+        raise ConfigError("train.cuda_graph", "full_iteration replays one fixed step, but data.doc_mask=true cuts "
+                          "each batch at its documents (variable-length attention)", "none, or data.doc_mask=false")
+    masked = loss_masked_source(cfg.data)
+    if masked is None:
+        return
+    # A loss mask: the loop weighs micro-batches by their target tokens (rank/token_weights.py).
+    if cfg.train.cuda_graph == CudaGraphMode.full_iteration:
+        raise ConfigError("train.cuda_graph", f"full_iteration replays one fixed step, but {masked} has a loss "
+                          "mask, whose micro-batches are weighed by their target tokens", "none")
+    if fam.averages_own_loss(cfg.model):
+        raise ConfigError("model.loss", f"model: the model averages its own loss, but {masked} has a loss mask, "
+                          "whose micro-batches are weighed by their target tokens", "cross_entropy")
+
+
+def _check_cpu_offload(cfg, caps: EngineCaps) -> None:
+    if not caps.cpu_offload:
+        raise ConfigError("train.cpu_offload", f"true needs engine=fsdp2: engine={caps.name} (Megatron-FSDP "
+                          "0.6.1) has no CPU offload", "false, or engine=fsdp2")
+    if not family(cfg.model.name).support(caps).cpu_offload:
+        raise ConfigError("train.cpu_offload", f"true is not wired for model={cfg.model.name}'s Transformer "
+                          "Engine layers", "false")
 
 
 def _check_train(cfg, caps: EngineCaps) -> List[str]:
@@ -283,6 +342,10 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
     if t.stall_dump_s is not None and t.stall_dump_s <= 0:
         raise ConfigError("train.stall_dump_s", f"must be > 0, got {t.stall_dump_s}", "seconds, or null (off)")
     check_profile(t.profile, t.steps)
+    if t.cpu_offload:
+        _check_cpu_offload(cfg, caps)
+    if cfg.engine.backend == Backend.gloo:
+        machine.refuse_gpu_only(cfg, "engine.backend=gloo runs on the CPU")
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise ConfigError("train.grad_clip", f"must be > 0, got {t.grad_clip}", "a positive number or null")
     _check_bad_steps(t)
@@ -360,6 +423,15 @@ def _check_cuda_graph(cfg, caps: EngineCaps) -> None:
     if pc.main_grads_dtype != pc.main_params_dtype and not cfg.engine.use_decoupled_grad:
         raise ConfigError("precision.main_grads_dtype", "must equal main_params_dtype under full-iteration "
                           "CUDA graphs (or set engine.use_decoupled_grad=true)", str(pc.main_params_dtype))
+
+
+def _check_keep_best(cfg) -> None:
+    """checkpoint.keep_best=val_loss ranks checkpoints by validation: there must be validation."""
+    from ..data import has_validation
+
+    if cfg.checkpoint.keep_best == KeepBest.val_loss and not has_validation(cfg.data):
+        raise ConfigError("checkpoint.keep_best", f"val_loss needs validation, and data={cfg.data.name} holds "
+                          "none out", "none, or data.val_fraction / data.val_sources")
 
 
 def _check_checkpoint(ck) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from .oom import note_step
 from .progress import RankProgress
 from .step_guard import OK, ROLLBACK, Diverged, StepGuard
+from .token_weights import distinct_targets, step_weights, target_count, weighted_mean
 from ..components.metrics import MetricsWriter, StepTimer, alloc_retries, peak_memory_gib, peak_reserved_gib
 
 
@@ -63,6 +64,10 @@ class LoopContext:
     profiler: Optional[object] = None  # profiling.StepProfiler (train.profile), or None
     progress_file: Optional[Path] = None  # rank 0's position, for the launcher's bar (rank/progress.py)
     stragglers: Optional[object] = None  # straggler.StragglerReport (train.straggler_ratio), or None
+    # Labels may hold -100 (a loss mask): micro-batches are weighed by their target tokens
+    # (rank/token_weights.py); False: every micro-batch holds mbs * seq_len targets.
+    masked_labels: bool = False
+    token_copies: int = 1  # ranks reading the same tokens (tp): the global target count divides by it
 
 
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
@@ -75,22 +80,29 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     guard = StepGuard(train_cfg, ctx.rank)
     guard.start(state, ctx.scheduler, ctx.optimizer)
     loss_sum, good_since_log = 0.0, 0  # the losses of the applied steps since the last row
+    targets_since_log = None  # masked labels: the global target tokens since the last row (device)
     steps_since_log, blocked, paused = 0, 0.0, 0.0
+    model_row: dict = {}  # the model's own metrics of the last step (spec.after_step)
     try:
         while state.step < train_cfg.steps:
             if ctx.profiler is not None:
                 ctx.profiler.begin(state.step + 1)
             step_loss = torch.zeros((), device=ctx.device, dtype=torch.float32)
+            weights = None
+            if ctx.masked_labels:  # per-token loss: every micro-batch's targets counted first
+                batches = [ctx.next_batch(state.step, micro) for micro in range(ga)]
+                weights, step_targets = step_weights(batches, ctx.world_size)
+                targets_since_log = step_targets if targets_since_log is None else targets_since_log + step_targets
             for micro in range(ga):
                 ctx.engine.set_grad_sync(model, sync_every or micro == ga - 1)
                 if ctx.step_fn is not None:
                     loss = ctx.step_fn()
                 else:
-                    batch = ctx.next_batch(state.step, micro)
+                    batch = batches[micro] if weights is not None else ctx.next_batch(state.step, micro)
                     with ctx.forward_context():
                         loss = ctx.spec.loss(model, batch)
-                    (loss / ga).backward()
-                step_loss += loss.detach().float() / ga
+                    (loss / ga if weights is None else loss * weights[micro]).backward()
+                step_loss += loss.detach().float() / ga if weights is None else loss.detach().float() * weights[micro]
             # Before the optimizer step, on every rank alike: a non-finite loss or gradient norm
             # (or a spike) is skipped, and too many in a row roll back (rank/step_guard.py).
             check = ctx.engine.check_step(model, train_cfg.grad_clip, step_loss)
@@ -101,10 +113,14 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 ctx.scheduler.step()
                 loss_sum, good_since_log = loss_sum + check.loss, good_since_log + 1
             ctx.optimizer.zero_grad(set_to_none=ctx.step_fn is None)
+            after_step = getattr(ctx.spec, "after_step", None)
+            if after_step is not None:  # MoE: expert loads, the router's bias (a collective)
+                model_row = after_step(model, verdict == OK)
             if verdict == ROLLBACK:
                 _roll_back(model, state, ctx, guard)
                 timer.lap()
                 loss_sum, good_since_log, steps_since_log, blocked, paused = 0.0, 0, 0, 0.0, 0.0
+                targets_since_log = None
                 continue
             state.step += 1
             if ctx.profiler is not None:
@@ -124,7 +140,12 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 dt = (timer.lap() - paused) / steps_since_log  # validation is not training time
                 mean_loss = loss_sum / good_since_log if good_since_log else float("nan")  # all skipped: nan
                 row = {**_log_row(ctx, state, mean_loss, grad_norm, dt, tokens_per_step, blocked), **straggle}
+                row["target_tokens_per_step"] = (
+                    distinct_targets(targets_since_log.item(), ctx.token_copies) / steps_since_log
+                    if targets_since_log is not None else tokens_per_step)
+                targets_since_log = None
                 row.update(bad_steps=guard.streak, skipped_steps=state.skipped_steps, rollbacks=state.rollbacks)
+                row.update(model_row)
                 loss_sum, good_since_log = 0.0, 0
                 steps_since_log, blocked, paused = 0, 0.0, 0.0
                 if progress is not None:
@@ -135,7 +156,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
             if progress is not None:
                 progress.advance(state.step)
             blocked += ctx.checkpoints.maybe_save(state.step, model, ctx.optimizer, ctx.scheduler, state,
-                                                  final=last, force=stop)
+                                                  final=last, force=stop,
+                                                  val_loss=val_row["val_loss"] if val_row else None)
             if stop and not last:
                 if ctx.rank == 0:
                     print(f"stopping at step {state.step} on request; checkpoint saved", flush=True)
@@ -183,16 +205,25 @@ def validate(model: torch.nn.Module, val_steps: int, step: int, ctx: LoopContext
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    means, counts = [], []  # masked labels: per-token over every rank's batches
     try:
         with torch.no_grad():
             for i in range(val_steps):
                 batch = ctx.val_batch(i)
                 with ctx.forward_context():
-                    total += ctx.spec.loss(model, batch).detach().float()
+                    mean = ctx.spec.loss(model, batch).detach().float()
+                if ctx.masked_labels:
+                    means.append(mean)
+                    counts.append(target_count(batch))
+                else:
+                    total += mean
     finally:
         model.train(was_training)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)  # every rank's batches weigh the same
-    loss = total.item() / (val_steps * ctx.world_size)
+    if ctx.masked_labels:
+        loss = weighted_mean(means, counts, ctx.world_size)
+    else:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)  # every rank's batches weigh the same
+        loss = total.item() / (val_steps * ctx.world_size)
     row = {"step": step, "val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else float("inf")}
     seconds = time.perf_counter() - t0
     if progress is not None:

@@ -22,8 +22,9 @@ from ..core.schema import Backend, CudaGraphMode
 from ..engines import engine_caps, get_engine
 from ..engines.base import Engine, apply_freeze
 from ..core.errors import ConfigError
+from ..core.fp8 import is_torchao
 from ..mesh import ParallelDims
-from ..models import ModelSpec, build_model_spec, family
+from ..models import ModelSpec, build_model_spec, family, lora
 from ..components.optim import build_optimizer, build_scheduler
 from ..components.rng import seed_all
 
@@ -92,32 +93,47 @@ class Training:
     fp8_recipe: Any
     frozen: List[str]
     fp8_kept: List[str]  # modules fp8.skip keeps in high precision
+    peft_line: str = ""  # model.peft: what trains (printed at the start)
+    compile_line: str = ""  # train.compile: what was compiled (printed at the start)
 
     def forward_context(self):
         return precision.fp8_autocast(self.fp8_recipe)
 
 
 def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_recipe=None, tp: int = 1):
-    """(spec, model, frozen names, fp8-skipped names): built on `device` (or meta), unsharded.
-    `tp` reaches families whose layers are built tensor-parallel (te_gpt)."""
+    """(spec, model, frozen names, fp8-skipped names): built on `device` (or meta), unsharded, with
+    model.peft's adapters. `tp` reaches families whose layers are built tensor-parallel (te_gpt)."""
     spec = build_model_spec(model_cfg, seq_len, tp=tp)
     init_device = torch.device("meta") if model_cfg.init_on_meta else device
     with torch.device(init_device), precision.quantized_init(fp8_recipe if fp8_cfg.params else None):
         model = spec.build()
     frozen = apply_freeze(model, list(model_cfg.freeze))
-    kept = precision.apply_fp8_skip(model, list(fp8_cfg.skip)) if fp8_recipe is not None and fp8_cfg.skip else []
+    if lora.enabled(model_cfg):  # peft freezes the base: every parameter but the adapters
+        spec.peft_line = lora.adapt(spec, model, model_cfg.peft)
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if is_torchao(fp8_cfg.recipe):  # torchao float8: its Float8Linear layers, no TE recipe
+        from ..components import float8
+
+        kept = float8.convert(model, fp8_cfg)
+    else:
+        kept = precision.apply_fp8_skip(model, list(fp8_cfg.skip)) if fp8_recipe is not None and fp8_cfg.skip else []
     return spec, model, frozen, kept
 
 
 def build_engine(cfg, rt: Runtime) -> Engine:
+    # LoRA's frozen base is kept in the compute dtype: it never updates, so no main copy.
+    frozen_dtype = precision.torch_dtype(cfg.precision.compute_dtype) if lora.enabled(cfg.model) else None
     return get_engine(cfg.engine.name, engine_cfg=cfg.engine, sharding_cfg=cfg.sharding,
                       precision_cfg=cfg.precision, dims=rt.dims, mesh=rt.mesh, device=rt.device,
-                      cuda_graph=cfg.train.cuda_graph == CudaGraphMode.full_iteration)
+                      cuda_graph=cfg.train.cuda_graph == CudaGraphMode.full_iteration, frozen_dtype=frozen_dtype,
+                      cpu_offload=cfg.train.cpu_offload)
 
 
 def build_training(cfg, rt: Runtime) -> Training:
     if rt.device.type == "cuda":
         precision.check_fp8_hardware(cfg.fp8)
+    else:
+        check_gpu_only(cfg)
     fp8_recipe = precision.build_fp8_recipe(cfg.fp8)
     seed_all(cfg.train.seed)  # the same on every rank: nothing is broadcast at wrap time
     spec, model, frozen, kept = build_model(cfg.model, cfg.fp8, cfg.train.seq_len, rt.device, fp8_recipe,
@@ -130,17 +146,37 @@ def build_training(cfg, rt: Runtime) -> Training:
     if cfg.train.compile:
         from ..models.compile import compile_model
 
-        forward_model = compile_model(model, spec.unit_modules)
+        forward_model, compile_line = compile_model(model, spec.unit_modules)
     else:
-        forward_model = model
+        forward_model, compile_line = model, ""
     optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda"))
+    if is_torchao(cfg.fp8.recipe):
+        from ..components import float8
+
+        float8.after_optimizer_steps(model, optimizer, cfg.fp8)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()
-    return Training(spec, model, forward_model, engine, optimizer, scheduler, fp8_recipe, frozen, kept)
+    return Training(spec, model, forward_model, engine, optimizer, scheduler, fp8_recipe, frozen, kept,
+                    peft_line=spec.peft_line, compile_line=compile_line)
+
+
+def check_gpu_only(cfg) -> None:
+    """A run that lands on the CPU (no CUDA, or engine.backend=gloo) refuses the GPU-only tools in
+    one line; the launcher refuses them first when it can tell (planner/machine.py)."""
+    from ..planner.machine import refuse_gpu_only
+
+    refuse_gpu_only(cfg, "this run is on the CPU")
 
 
 def splits_sequence(cfg, rt: Runtime) -> bool:
     """mesh.cp > 1 with a family that splits each sequence over cp (the toys replicate over it)."""
     return rt.dims.cp > 1 and family(cfg.model.name).support(engine_caps(cfg.engine.name)).splits_sequence
+
+
+def token_copies(cfg, rt: Runtime) -> int:
+    """Ranks that read the same tokens: the world over the ranks of distinct data (dp, and cp
+    where it splits the sequences), i.e. the tensor-parallel copies."""
+    distinct = rt.dims.dp_size * (rt.dims.cp if splits_sequence(cfg, rt) else 1)
+    return max(1, rt.world_size // distinct)
 
 
 def _to_device(cfg, rt: Runtime, batch: dict) -> dict:
@@ -201,6 +237,7 @@ def batch_source(cfg, spec: ModelSpec, rt: Runtime, resumed=None) -> Callable[[i
             return _to_device(cfg, rt, batches.microbatch(step, micro, grad_accum_steps=t.grad_accum_steps, **base))
 
         next_batch.data_tokens = batches.n_tokens or None  # the train split's size (metrics' epochs)
+        next_batch.masked_labels = batches.masked_labels  # a loss mask: per-token weights (rank/token_weights.py)
         return next_batch
     # The seed's toys train on one fixed (input, target) pair per data-parallel rank.
     gen = torch.Generator().manual_seed(cfg.train.seed * 1000003 + rt.dp_rank)

@@ -101,6 +101,11 @@ def load(run: str | os.PathLike, *, step: Optional[int] = None, device: "torch.d
     from ..checkpoint.weights import read_model_state
 
     state, found = read_model_state(step_dir(run, step, key), prog=prog)
+    from ..checkpoint.adapters import of
+
+    if of(found.manifest):
+        raise ConfigError(key, f"{found.path} holds LoRA adapters only (model.peft), not a model",
+                          "a merged model: mfsdp-export RUN OUT_DIR --format hf --merge, then give OUT_DIR")
     config = found.manifest.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise ConfigError(key, f"{found.path}'s manifest records no run config, so the model cannot be built")

@@ -202,50 +202,53 @@ def test_clean_stale_removes_only_uncommitted_saves(tmp_path):
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
-    """6 steps, a checkpoint every 2 (2 ranks, gloo): step_2, step_4, step_6."""
+    """6 steps, a checkpoint every step, all kept (2 ranks, gloo): step_1 ... step_6."""
     run_dir = tmp_path_factory.mktemp("faults") / "base"
-    out = cli(*SMOKE, f"run.dir={run_dir}", "train.steps=6", "checkpoint.interval=2", timeout=300)
+    out = cli(*SMOKE, f"run.dir={run_dir}", "train.steps=6", "checkpoint.interval=1", "checkpoint.keep_last=6",
+              timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert C.committed_steps(run_dir / "checkpoints") == [2, 4, 6]
+    assert C.committed_steps(run_dir / "checkpoints") == [1, 2, 3, 4, 5, 6]
     return run_dir
 
 
+# Same-size damage, one kind per step: the resume walks back past each of them in one run.
 DAMAGE = {
-    "distcp": ("__0_0.distcp", lambda p: flip(p)),  # 4 KiB inverted inside a shard
-    "metadata": (".metadata", lambda p: flip(p)),
-    "trainer": ("trainer.json", lambda p: same_size_edit(p, '"step": 6', '"step": 7')),  # valid JSON, wrong
+    6: ("__0_0.distcp", lambda p: flip(p)),  # 4 KiB inverted inside a shard
+    5: (".metadata", lambda p: flip(p)),
+    4: ("trainer.json", lambda p: same_size_edit(p, '"step": 4', '"step": 7')),  # valid JSON, wrong
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what", sorted(DAMAGE))
-def test_cli_resume_falls_back_past_same_size_damage(base_run, tmp_path, what):
+def test_cli_resume_falls_back_past_same_size_damage(base_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(base_run, run_dir)
-    name, damage = DAMAGE[what]
-    damage(run_dir / "checkpoints" / "step_6" / name)
-    out = cli(*SMOKE, f"run.dir={run_dir}", "train.steps=6", "checkpoint.interval=2", timeout=300)
+    for step, (name, damage) in DAMAGE.items():
+        damage(run_dir / "checkpoints" / f"step_{step}" / name)
+    out = cli(*SMOKE, f"run.dir={run_dir}", "train.steps=6", "checkpoint.interval=1", "checkpoint.keep_last=6",
+              timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert f"step_6 is damaged (checksum mismatch in {name}), falling back to step_4" in lines, out.stdout
-    assert f"resuming from step 4 ({run_dir / 'checkpoints' / 'step_4'})" in lines
-    # The same mesh continues bit-identically from step 4, and step_6 is written again, intact.
+    for step, (name, _) in DAMAGE.items():
+        assert f"step_{step} is damaged (checksum mismatch in {name}), falling back to step_3" in lines, out.stdout
+    assert f"resuming from step 3 ({run_dir / 'checkpoints' / 'step_3'})" in lines
+    # The same mesh continues bit-identically from step 3, and the damaged steps are written again, intact.
     base = {r["step"]: r["loss"] for r in read_metrics(base_run)}
     assert {r["step"]: r["loss"] for r in read_metrics(run_dir)} == base
-    assert intact(run_dir / "checkpoints" / "step_6")
+    assert all(intact(run_dir / "checkpoints" / f"step_{step}") for step in DAMAGE)
 
 
 @pytest.mark.slow
 def test_cli_refuses_when_no_intact_step_is_left(base_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(base_run, run_dir)
-    for step in (2, 4, 6):
+    for step in range(1, 7):
         flip(run_dir / "checkpoints" / f"step_{step}" / "__1_0.distcp")
     out = cli(*SMOKE, f"run.dir={run_dir}", "train.steps=8", timeout=300)
     assert out.returncode != 0
     line = [ln for ln in out.stderr.splitlines() if "no intact checkpoint" in ln]
     assert len(line) == 1, out.stderr
-    assert "step_6 is damaged (checksum mismatch in __1_0.distcp); step_4 is damaged" in line[0]
+    assert "step_6 is damaged (checksum mismatch in __1_0.distcp); step_5 is damaged" in line[0]
     assert not (run_dir / "checkpoints" / "step_8").exists()
 
 

@@ -79,15 +79,13 @@ def test_dry_run_sizes_come_from_a_meta_build_without_torch_in_the_launcher(user
     assert f"flops/token={6 * (3 * 2 * 64 * 256 + 256 * 64):.3e}" in out.stdout
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["model.target=no_such_module_xyz:build"],
-     "model.target: cannot import 'no_such_module_xyz:build': no module named 'no_such_module_xyz' "
-     "(is its directory on PYTHONPATH?)"),
-    ([TARGET], "model.fsdp_unit_modules: is empty; name the classes to shard one by one "
-               f"(the model repeats: {MODULE_NAME}.Block)"),
-], ids=["not-importable", "units-empty"])
-def test_bad_input_is_one_line_before_spawning(tmp_path, user_env, overrides, expected):
-    """Through the CLI: the check runs in a short-lived process and comes back as one line."""
+def test_bad_input_is_one_line_before_spawning(tmp_path, user_env):
+    """Through the CLI: the check runs in a short-lived process (which imports torch and builds the
+    user's model) and comes back as one line. One case is enough for that path; the other checks
+    run in-process below (test_more_bad_input_is_one_line), each CLI case costing a torch import."""
+    overrides = [TARGET]
+    expected = ("model.fsdp_unit_modules: is empty; name the classes to shard one by one "
+                f"(the model repeats: {MODULE_NAME}.Block)")
     out = cli("model=custom", f"run.dir={tmp_path / 'run'}", *overrides, env=user_env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip() == f"mfsdp-train: error: {expected}", out.stderr
@@ -125,6 +123,9 @@ class LogitsNotLoss(LM):
 
 
 @pytest.mark.parametrize("overrides,expected", [
+    (["model.target=no_such_module_xyz:build"],
+     "model.target: cannot import 'no_such_module_xyz:build': no module named 'no_such_module_xyz' "
+     "(is its directory on PYTHONPATH?)"),
     ([f"model.target={MODULE_NAME}:NOT_CALLABLE"], f"model.target: '{MODULE_NAME}:NOT_CALLABLE' is a int, not callable"),
     ([TARGET, "model.fsdp_unit_modules=[torch.nn.Conv2d]"],
      f"model.fsdp_unit_modules: the model contains no torch.nn.Conv2d (it repeats: {MODULE_NAME}.Block)"),
@@ -149,8 +150,8 @@ class LogitsNotLoss(LM):
                                                "head.weight, blocks.0.norm.weight, blocks.0.norm.bias, "
                                                "blocks.0.ff.0.weight, blocks.0.ff.0.bias, ...)"),
     ([TARGET, UNITS, "model.path=/x"], unknown_key("model.path", "custom")),
-], ids=["not-callable", "unit-absent", "vocab", "vocab-too-large", "gpt-key", "kwargs-type", "kwargs-name",
-        "init-fn", "no-reset", "contract", "freeze", "foreign-key"])
+], ids=["not-importable", "not-callable", "unit-absent", "vocab", "vocab-too-large", "gpt-key", "kwargs-type",
+        "kwargs-name", "init-fn", "no-reset", "contract", "freeze", "foreign-key"])
 def test_more_bad_input_is_one_line(tmp_path, monkeypatch, overrides, expected):
     """The same checks in-process (this process has torch, so the probe runs here: fast)."""
     write_user_module(tmp_path)

@@ -40,10 +40,14 @@ def train(run_dir, *overrides, env=None):
     return cli_ok(*BASE, f"run.dir={run_dir}", *overrides, env=env, timeout=300)
 
 
-def export_hf(ckpt, out_dir):
-    out = cli(str(ckpt), str(out_dir), "--format", "hf", module="mfsdp_launch.tools.export", timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "(hf," in out.stdout
+def export_hf(ckpt, out_dir, capsys):
+    """mfsdp-export's main() with the command line's arguments, in this process (a process of its
+    own would import torch again for a few KB of tensors)."""
+    from mfsdp_launch.tools.export import main as export_main
+
+    capsys.readouterr()
+    assert export_main([str(ckpt), str(out_dir), "--format", "hf"]) == 0, capsys.readouterr().err
+    assert "(hf," in capsys.readouterr().out
     return out_dir
 
 
@@ -55,7 +59,7 @@ def cli_refused(tmp_path, *overrides, env=None) -> str:
 
 
 @pytest.mark.slow
-def test_gpt_exports_to_transformers_and_init_from_restarts_at_its_loss(tmp_path, window):
+def test_gpt_exports_to_transformers_and_init_from_restarts_at_its_loss(tmp_path, window, capsys):
     from mfsdp_launch.checkpoint.weights import read_model_state
     from mfsdp_launch.models.llama.gpt_modules import GPT
     from mfsdp_launch.models.llama.dims import GPTDims
@@ -63,7 +67,7 @@ def test_gpt_exports_to_transformers_and_init_from_restarts_at_its_loss(tmp_path
     a, b = tmp_path / "A", tmp_path / "B"
     dims = ["model.n_kv_heads=2", "model.rope_theta=500000", "model.norm_eps=1e-6"]
     train(a, "train.steps=3", "checkpoint.interval=2", f"data.path={window}", *dims)
-    hf_dir = export_hf(a / "checkpoints" / "step_2", tmp_path / "hf")
+    hf_dir = export_hf(a / "checkpoints" / "step_2", tmp_path / "hf", capsys)
     config = json.loads((hf_dir / "config.json").read_text())
     assert (config["num_key_value_heads"], config["rope_theta"], config["rms_norm_eps"]) == (2, 500000.0, 1e-6)
 
@@ -76,8 +80,10 @@ def test_gpt_exports_to_transformers_and_init_from_restarts_at_its_loss(tmp_path
         assert (ours(ids) - theirs(ids).logits).abs().max().item() <= 1e-4
 
     # The dims come from config.json (none given here); the first step's loss is A's at step 3,
-    # both of step 2's weights on the same batch.
-    out = train(b, "train.steps=1", f"data.path={window}", f"model.init_from={hf_dir}")
+    # both of step 2's weights on the same batch. A trained (and saved) sharded over 2 ranks; B
+    # loads on 1: every sample is the one window, so its loss is the same number at any batch.
+    out = train(b, "train.steps=1", f"data.path={window}", f"model.init_from={hf_dir}",
+                "launcher.nproc_per_node=1")
     assert "model.init_from: loaded 15 tensors" in out.stdout, out.stdout
     assert losses(b)[1] == pytest.approx(losses(a)[3], rel=1e-6, abs=0)
 
@@ -86,7 +92,7 @@ def test_gpt_exports_to_transformers_and_init_from_restarts_at_its_loss(tmp_path
 
 
 @pytest.mark.slow
-def test_hf_llama_directory_trains_from_its_pretrained_weights_and_exports(tmp_path, window):
+def test_hf_llama_directory_trains_from_its_pretrained_weights_and_exports(tmp_path, window, capsys):
     from mfsdp_launch.checkpoint.weights import read_model_state
 
     torch.manual_seed(0)
@@ -103,7 +109,7 @@ def test_hf_llama_directory_trains_from_its_pretrained_weights_and_exports(tmp_p
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
     assert losses(run)[1] == pytest.approx(expected, rel=1e-5)
 
-    hf_dir = export_hf(run, tmp_path / "export")
+    hf_dir = export_hf(run, tmp_path / "export", capsys)
     assert (hf_dir / "generation_config.json").is_file()  # the source directory's side files come along
     saved = read_model_state(run)[0]
     back = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -116,9 +122,11 @@ def test_hf_llama_directory_trains_from_its_pretrained_weights_and_exports(tmp_p
 def test_hf_qwen2_from_a_config_dict_trains_with_meta_init(tmp_path):
     fields = ", ".join(f"{k}: {v}" for k, v in TINY.items())
     run = tmp_path / "run"
+    # 1 rank: each rank imports transformers (the costliest part of a run); the Llama test above
+    # is the one that loads into shards over 2 ranks.
     out = train(run, "model=hf", "model.hf_class=Qwen2ForCausalLM",
                 f"model.hf_config={{{fields}, tie_word_embeddings: true}}", "model.init_on_meta=true",
-                "data=synthetic", "train.steps=2")
+                "data=synthetic", "train.steps=2", "launcher.nproc_per_node=1")
     assert "model hf:" in out.stdout
     got = losses(run)
     assert sorted(got) == [1, 2] and abs(got[1] - torch.log(torch.tensor(256.0)).item()) < 0.1, got
@@ -129,8 +137,10 @@ def test_hf_bad_input_is_one_line(tmp_path):
     assert cli_refused(tmp_path, "model=hf", f"model.path={tmp_path / 'empty'}") == \
         f"model.path: {tmp_path / 'empty'} has no config.json"
     assert "nothing is downloaded" in cli_refused(tmp_path, "model=hf", "model.path=meta-llama/Llama-3.1-8B")
+    # In process (ConfigError, the same line the CLI prints): a CLI checking a config dict imports
+    # transformers, which costs more than everything else in this test.
     bert = "{model_type: bert, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, vocab_size: 256}"
-    assert "is not a causal language model" in cli_refused(tmp_path, "model=hf", f"model.hf_config={bert}")
+    assert "is not a causal language model" in str(refused("model=hf", f"model.hf_config={bert}"))
     assert cli_refused(tmp_path, "model=gpt", "model.target=x:y") == unknown_key("model.target", "gpt")
     assert unknown_key("model.target", "gpt").startswith(
         "model.target: model=gpt|te_gpt does not read it (a key of model=custom) (allowed: name|params_dtype|")

@@ -60,11 +60,12 @@ def _stop(proc) -> None:
         proc.wait()
 
 
-def two_nodes(tmp_path: Path, run_dir: Path, steps: int, tag: str, timeout: float = 240) -> str:
-    """Both "nodes" of one job on this host; returns their combined output."""
+def two_nodes(tmp_path: Path, run_dir: Path, steps: int, tag: str, timeout: float = 240, nproc: int = 2) -> str:
+    """Both "nodes" of one job on this host, `nproc` ranks each (dp_outer=2 across them, dp_shard=nproc
+    within); returns their combined output."""
     port = free_port()  # never a fixed port: the OS picks a free one
-    common = ["+recipe=cpu_smoke", "engine=fsdp2", "launcher.nnodes=2", "launcher.nproc_per_node=2",
-              f"launcher.rdzv_endpoint=127.0.0.1:{port}", "mesh.dp_outer=2", "mesh.dp_shard=2",
+    common = ["+recipe=cpu_smoke", "engine=fsdp2", "launcher.nnodes=2", f"launcher.nproc_per_node={nproc}",
+              f"launcher.rdzv_endpoint=127.0.0.1:{port}", "mesh.dp_outer=2", f"mesh.dp_shard={nproc}",
               f"run.dir={run_dir}", f"train.steps={steps}", "checkpoint.interval=2", *SMALL]
     logs = [tmp_path / f"{tag}_node{i}.log" for i in range(2)]
     procs = []
@@ -105,9 +106,13 @@ def test_two_nodes_on_one_host_train_checkpoint_and_resume(tmp_path):
     manifest = json.loads((run_dir / "checkpoints" / "step_4" / "manifest.json").read_text())
     assert manifest["step"] == 4
 
-    # Both nodes again, for more steps: they resume from the committed step 4.
-    out = two_nodes(tmp_path, run_dir, steps=6, tag="second")
+    # Both nodes again, for more steps: they resume from the committed step 4. One rank per node
+    # this time (every rank is a torch import): the rendezvous and the resume are still across the
+    # two launchers, and the 2x2 checkpoint reshards onto the 2x1 mesh.
+    out = two_nodes(tmp_path, run_dir, steps=6, tag="second", nproc=1)
+    assert out.count("mfsdp-train: 2x1 ranks") == 2
     assert "resuming from step 4" in out, out[-4000:]
+    assert "world size 4 -> 2 (DCP reshards model and optimizer)" in out
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["loss"] > 0 for r in rows)

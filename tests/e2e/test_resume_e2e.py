@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from helpers import SMOKE, cli, read_metrics, smoke_run, start_cli
+from helpers import SMOKE, read_metrics, smoke_run, start_cli
 
 pytestmark = pytest.mark.slow
 
@@ -17,17 +17,22 @@ run = smoke_run
 
 
 def exported(run_dir, tmp_path, name):
+    from mfsdp_launch.tools.export import export
+
     target = tmp_path / f"{name}.pt"
-    out = cli(str(run_dir), str(target), "--format", "torch", module="mfsdp_launch.tools.export")
-    assert out.returncode == 0, out.stderr
+    export(run_dir, target, fmt="torch")
     return torch.load(target)
 
 
 def test_resume_is_exact_and_reshards(tmp_path):
     a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
     run(a, "train.steps=6", "checkpoint.interval=3")
+    # A save killed mid-write left a .tmp: the fresh run ignores it (it is no checkpoint) and cleans it.
+    (b / "checkpoints" / "step_999.tmp").mkdir(parents=True)
     first = run(b, "train.steps=3")
     assert "starting fresh" in first.stdout
+    assert not (b / "checkpoints" / "step_999.tmp").exists()
+    assert (b / "checkpoints" / "step_3" / "manifest.json").is_file()
     second = run(b, "train.steps=6")
     assert "resuming from step 3" in second.stdout
 
@@ -50,19 +55,13 @@ def test_resume_is_exact_and_reshards(tmp_path):
     assert read_metrics(c)[0]["loss"] == pytest.approx(losses_a[4], rel=1e-4)
 
 
-def test_stray_tmp_is_ignored_and_must_fails_clearly(tmp_path):
+def test_resume_must_without_a_checkpoint_fails_clearly(tmp_path):
+    """(A stray .tmp is ignored by a fresh run: test_resume_is_exact_and_reshards.)"""
     empty = tmp_path / "empty"
     out = run(empty, "train.steps=2", "checkpoint.resume=must", expect=2)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "checkpoint.resume" in lines[0] and "no committed checkpoint" in lines[0], out.stderr
     assert "Traceback" not in out.stderr
-
-    stray = tmp_path / "stray"
-    (stray / "checkpoints" / "step_999.tmp").mkdir(parents=True)
-    out = run(stray, "train.steps=2")
-    assert "starting fresh" in out.stdout
-    assert not (stray / "checkpoints" / "step_999.tmp").exists()
-    assert (stray / "checkpoints" / "step_2" / "manifest.json").is_file()
 
 
 def test_sigterm_to_the_launcher_saves_exits_interrupted_then_resumes(tmp_path):
@@ -70,15 +69,18 @@ def test_sigterm_to_the_launcher_saves_exits_interrupted_then_resumes(tmp_path):
 
     run_dir = tmp_path / "pre"
     proc = start_cli(*SMOKE, f"run.dir={run_dir}", "train.steps=100000", stdout=subprocess.PIPE,
-                     stderr=subprocess.STDOUT)
+                     stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline and len(read_metrics(run_dir)) < 3:
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == exit_codes.INTERRUPTED, out[-3000:]  # not 0: `&& next` must not run
-    assert "stopping at step" in out
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == exit_codes.INTERRUPTED, (out + err)[-3000:]  # not 0: `&& next` must not run
+    assert "stopping at step" in out + err
     stopped = read_metrics(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()
+    last = err.strip().splitlines()[-1]  # the summary names the step, the signal, the checkpoint, the code
+    assert last.startswith(f"mfsdp-train: interrupted at step {stopped}/100000") and "(SIGTERM)" in last, err
+    assert f"last checkpoint step_{stopped}" in last and "exit code 3" in last
     again = run(run_dir, f"train.steps={stopped + 2}")
     assert f"resuming from step {stopped}" in again.stdout

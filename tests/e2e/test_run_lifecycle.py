@@ -140,18 +140,8 @@ def test_sigkill_of_the_launcher_leaves_no_rank_alive_and_the_next_run_takes_ove
 # --- 3. exit codes and signals ------------------------------------------------------------------
 
 
-def test_sigterm_to_the_launcher_saves_and_exits_with_the_interrupted_code(tmp_path):
-    run_dir = tmp_path / "run"
-    proc, f = start(run_dir, "train.steps=100000", log=tmp_path / "out.log")
-    wait_for_steps(run_dir, 2, proc)
-    proc.send_signal(signal.SIGTERM)
-    err = finish(proc, f)
-    assert proc.returncode == exit_codes.INTERRUPTED, err[-3000:]
-    stopped = metric_steps(run_dir)[-1]
-    assert (run_dir / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()
-    last = err.strip().splitlines()[-1]
-    assert last.startswith(f"mfsdp-train: interrupted at step {stopped}/100000") and "(SIGTERM)" in last, err
-    assert f"last checkpoint step_{stopped}" in last and "exit code 3" in last
+# SIGTERM to the launcher alone (exit code 3, the summary line, a checkpoint, then a resume):
+# tests/e2e/test_resume_e2e.py::test_sigterm_to_the_launcher_saves_exits_interrupted_then_resumes.
 
 
 def test_sigterm_to_every_process_is_a_graceful_preemption_without_traceback(tmp_path):

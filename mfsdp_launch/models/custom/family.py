@@ -46,6 +46,9 @@ class CustomFamily(MeasuredFamily):
                               "reset_parameters(), not model.init_fn", "null, or model.init_on_meta=false")
         return []
 
+    def averages_own_loss(self, m) -> bool:
+        return self.probe(m)["loss"] == "model"
+
     def n_heads(self, m):
         return (self.probe(m)["dims"] or {}).get("n_heads")
 

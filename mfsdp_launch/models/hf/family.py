@@ -14,7 +14,7 @@ from typing import List
 
 from ...core.errors import ConfigError
 from .. import probe as P
-from ..family import ModelContext, ModelSpec, find_module
+from ..family import ModelContext, ModelSpec, Parallel, find_module
 from .config import HFModelConfig
 from ..measured import MeasuredFamily
 
@@ -24,6 +24,14 @@ PROBE = "mfsdp_launch.models.hf.family:probe_hf"
 class HFFamily(MeasuredFamily):
     name = "hf"
     section = HFModelConfig
+    # The architecture's own TP plan (models/hf/tensor_parallel.py), all-gather CP over SDPA
+    # (models/hf/context_parallel.py).
+    tp_mode = Parallel.DTENSOR
+    cp_mode = Parallel.ALLGATHER
+    lora = True  # through peft, on the model's own nn.Linear names (q_proj, v_proj, ...)
+    doc_mask = True  # its attention through models/doc_attention.py: varlen on a GPU, positions per document
+    base_key = "model.pretrained"
+    base_hint = "true: model.path's weights"
 
     def probe(self, m) -> dict:
         from .model import INSTALL_HINT, check_model_path
@@ -39,8 +47,35 @@ class HFFamily(MeasuredFamily):
         return P.probe(PROBE, m, crash_key="model.path" if m.path is not None else "model.hf_config")
 
     def check(self, m, ctx: ModelContext) -> List[str]:
-        self.probe(m)
+        p = self.probe(m)
+        if ctx.tp > 1:
+            self._check_tp(p, ctx)
+        if ctx.cp > 1 and p["sliding_window"]:
+            raise ConfigError("mesh.cp", f"{ctx.cp}: {p['hf_class']} uses sliding-window attention "
+                              f"({p['sliding_window']} tokens), which context parallelism does not apply", "1")
         return []
+
+    def _check_tp(self, p: dict, ctx: ModelContext) -> None:
+        if p["tp_problem"]:
+            raise ConfigError("mesh.tp", f"{ctx.tp}: {p['tp_problem']}", "1")
+        for what, size in p["tp_dims"].items():
+            if size % ctx.tp:
+                raise ConfigError("mesh.tp", f"{ctx.tp} does not divide the {size} {what} of {p['hf_class']}",
+                                  f"a divisor of {size}")
+        if ctx.seq_len % (ctx.cp * ctx.tp):  # sequence parallelism splits each cp rank's tokens over tp
+            raise ConfigError("train.seq_len", f"{ctx.seq_len} is not divisible by mesh.cp*mesh.tp="
+                              f"{ctx.cp * ctx.tp} (sequence parallelism)", f"a multiple of {ctx.cp * ctx.tp}")
+
+    def parallelize(self, model, m, dims, mesh) -> None:
+        if dims.tp > 1:
+            from .tensor_parallel import parallelize_hf
+
+            parallelize_hf(model, mesh["tp"])
+        if dims.cp > 1:
+            from .context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, mesh["cp"])
+        self.apply_activation_checkpointing(model, m)
 
     def n_heads(self, m):
         return self.probe(m)["n_heads"]
@@ -63,7 +98,7 @@ class HFFamily(MeasuredFamily):
 
     def spec(self, m, seq_len: int) -> ModelSpec:
         from . import model as H
-        from ..losses import cross_entropy_loss
+        from ..losses import hf_loss
         from ...components.precision import torch_dtype
         from ..family import resolve_unit_modules
 
@@ -76,10 +111,16 @@ class HFFamily(MeasuredFamily):
             return model
 
         return ModelSpec(name=self.name, build=build, unit_modules=resolve_unit_modules(p["unit_classes"]),
-                         loss=cross_entropy_loss, init_weights=lambda model: H.init_hf_weights(find_module(model, src.cls)),
+                         loss=hf_loss, init_weights=lambda model: H.init_hf_weights(find_module(model, src.cls)),
                          uses_tokens=True, synthetic_batch=None, tokens_per_sample=seq_len,
                          num_params=p["num_params"], flops_per_token=self.flops_per_token(m, seq_len),
                          vocab_size=p["vocab_size"])
+
+    def base_dir(self, m):
+        return m.path if m.pretrained else None
+
+    def modules(self, m, seq_len: int) -> dict:
+        return {n: tuple(io) if io else None for n, io in self.probe(m)["modules"].items()}
 
     def tokenizer_dir(self, m):
         return m.path  # an HF directory carries its tokenizer beside config.json
@@ -111,8 +152,17 @@ def probe_hf(d: dict) -> dict:
     if m.pretrained:
         _check_weights(model, src.path)
     out = P.measure(model, units)
+    if str((m.peft or {}).get("kind", "none")) == "lora":  # model.peft.targets' names
+        from ..lora import module_table
+
+        out["modules"] = module_table(model)
     if m.freeze:
         check_globs_match("model.freeze", m.freeze, out["param_names"], "parameter")
+    from .context_parallel import sliding_window
+    from .tensor_parallel import tp_dims, tp_problem
+
+    # what mesh.tp > 1 and mesh.cp > 1 need (HFFamily.check)
+    out.update(tp_problem=tp_problem(model), tp_dims=tp_dims(model), sliding_window=sliding_window(src.config))
     summary = H.model_summary(src)
     out.update(hf_class=src.class_name, vocab_size=summary["vocab_size"], n_heads=summary["n_heads"])
     return out

@@ -57,9 +57,11 @@ def gather_sequence(x: torch.Tensor, group, cp: int, seq_dim: int = 2) -> torch.
     return cp_layout.unshard_sequence(list(parts), dim=seq_dim)
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_rank: int, cp: int) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_rank: int, cp: int,
+                    scale=None) -> torch.Tensor:
     """Causal attention of this rank's queries q [B, H, T/cp, D] (its two chunks) against the
-    whole sequence's k, v [B, H, T, D] (heads already expanded for GQA)."""
+    whole sequence's k, v [B, H, T, D] (heads already expanded for GQA); `scale`: SDPA's (None:
+    1/sqrt(D))."""
     from torch.nn.attention.bias import causal_lower_right
 
     chunk = q.shape[2] // 2
@@ -67,7 +69,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_ran
     for q_part, index in zip(q.split(chunk, dim=2), cp_layout.chunks_of(cp_rank, cp)):
         end = (index + 1) * chunk  # the chunk's last key, global
         bias = causal_lower_right(chunk, end)
-        out.append(F.scaled_dot_product_attention(q_part, k[:, :, :end], v[:, :, :end], attn_mask=bias))
+        out.append(F.scaled_dot_product_attention(q_part, k[:, :, :end], v[:, :, :end], attn_mask=bias, scale=scale))
     return torch.cat(out, dim=2)
 
 
@@ -83,13 +85,13 @@ class ContextParallel:
         """Global positions of the local tokens (for RoPE)."""
         return cp_layout.positions(local_len * self.size, self.rank, self.size, device=device)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> torch.Tensor:
         """q [B, H, T/cp, D], k/v [B, Hkv, T/cp, D] local -> attention output [B, H, T/cp, D]."""
         k, v = gather_sequence(k, self.group, self.size), gather_sequence(v, self.group, self.size)
         if k.shape[1] != q.shape[1]:
             # The lower-right flash/efficient paths of CausalBias (torch 2.11-2.13) take no GQA.
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        return chunk_attention(q, k, v, cp_rank=self.rank, cp=self.size)
+        return chunk_attention(q, k, v, cp_rank=self.rank, cp=self.size, scale=scale)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:

@@ -18,6 +18,20 @@ Presets (exact counts from `param_count`, vocab 32000 untied unless noted):
 
 `3b` is Llama-3.2-3B-like and `8b` Llama-3.1-8B-like (their rope_theta is 500000; ours comes from
 `model.rope_theta`, default 10000).
+
+Mixture-of-experts presets (models/llama/moe_dims.py; "active" counts the router, top_k experts and
+the shared expert of each MoE layer, as FLOPs/token and MFU do):
+
+| preset           | dim  | layers | heads (kv), head_dim | experts, top_k, shared | expert ffn | vocab  | params (active)        |
+|------------------|------|--------|----------------------|------------------------|------------|--------|------------------------|
+| tiny_moe         | 64   | 2      | 4                    | 4, 2, 0                | 96         | 256    | 213,824 (140,096)      |
+| qwen3-30b-a3b    | 2048 | 48     | 32 (4), 128, qk-norm | 128, 8, 0              | 768        | 151936 | 30,532,122,624 (3.35B) |
+| deepseek-v2-lite | 2048 | 27     | 16 (16)              | 64, 6, 2               | 1408       | 102400 | 16,291,706,880 (2.74B) |
+
+`qwen3-30b-a3b` has Qwen3-30B-A3B's tensors exactly (its rope_theta 1e6 and norm eps 1e-6 are
+model.rope_theta / model.norm_eps). `deepseek-v2-lite` takes DeepSeek-V2-Lite's sizes with our
+grouped-query attention instead of its multi-head latent attention, and its first layer is MoE
+too; slices that fit one GPU override model.n_layers.
 """
 
 
@@ -25,9 +39,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ...core.errors import ConfigError
+from .moe_dims import MoEDims, resolve_moe
 
 # Only the fields a preset pins; the rest come from ModelConfig or the derivation rules below.
 GPT_PRESETS: Dict[str, Dict[str, Any]] = {
@@ -45,6 +60,14 @@ GPT_PRESETS: Dict[str, Dict[str, Any]] = {
                vocab_size=128256, tie_embeddings=True),
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                vocab_size=128256, tie_embeddings=False),
+    # Mixtures of experts (model.moe.* overrides the `moe` entry).
+    "tiny_moe": dict(dim=64, n_layers=2, n_heads=4, vocab_size=256, tie_embeddings=False,
+                     moe=dict(experts=4, top_k=2, ffn_dim=96)),
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, qk_norm=True,
+                          ffn_dim=6144, vocab_size=151936, tie_embeddings=False,
+                          moe=dict(experts=128, top_k=8, ffn_dim=768)),
+    "deepseek-v2-lite": dict(dim=2048, n_layers=27, n_heads=16, ffn_dim=10944, vocab_size=102400,
+                             tie_embeddings=False, moe=dict(experts=64, top_k=6, shared_experts=2, ffn_dim=1408)),
 }
 
 
@@ -59,19 +82,37 @@ class GPTDims:
     tie_embeddings: bool
     norm_eps: float
     rope_theta: float
+    head_size: int = 0  # model.head_dim; 0: dim // n_heads
+    qk_norm: bool = False  # RMSNorm over each q and k head (Qwen3)
+    moe: Optional[MoEDims] = None  # mixture-of-experts MLPs (models/llama/moe_dims.py); None: dense
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(i)
+
     def shape(self) -> dict:
-        """The fields that decide the saved tensors' shapes (recorded in checkpoint manifests)."""
-        return {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                              "vocab_size", "tie_embeddings")}
+        """The fields that decide the saved tensors' shapes (recorded in checkpoint manifests);
+        the MoE and attention variants only when in use, so dense manifests stay as they were."""
+        out = {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                             "vocab_size", "tie_embeddings")}
+        if self.head_size and self.head_size != self.dim // self.n_heads:
+            out["head_dim"] = self.head_size
+        if self.qk_norm:
+            out["qk_norm"] = True
+        if self.moe is not None:
+            out["moe"] = self.moe.shape()
+        return out
 
 
 def llama_ffn_dim(dim: int) -> int:
@@ -106,11 +147,17 @@ def resolve_gpt_dims(model_cfg: Any) -> GPTDims:
     ffn_dim = getattr(model_cfg, "ffn_dim", None)
     if ffn_dim is None:
         ffn_dim = preset["ffn_dim"] if "ffn_dim" in preset and dim == preset["dim"] else llama_ffn_dim(dim)
+    # A preset's head_dim belongs to its dim and heads, as its ffn_dim does.
+    head_dim = getattr(model_cfg, "head_dim", None)
+    if head_dim is None and "head_dim" in preset and (dim, n_heads) == (preset["dim"], preset["n_heads"]):
+        head_dim = preset["head_dim"]
     dims = GPTDims(
         dim=dim, n_layers=int(pick("n_layers")), n_heads=n_heads, n_kv_heads=int(n_kv_heads),
         ffn_dim=int(ffn_dim), vocab_size=int(pick("vocab_size")), tie_embeddings=bool(pick("tie_embeddings")),
         norm_eps=float(getattr(model_cfg, "norm_eps", 1e-5)),
         rope_theta=float(getattr(model_cfg, "rope_theta", 10000.0)),
+        head_size=int(head_dim or 0), qk_norm=bool(pick("qk_norm") or False),
+        moe=resolve_moe(getattr(model_cfg, "moe", None), preset, int(ffn_dim)),
     )
     check_gpt_dims(dims)
     return dims
@@ -120,33 +167,58 @@ def check_gpt_dims(d: GPTDims) -> None:
     for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
         if getattr(d, field) <= 0:
             raise ConfigError(f"model.{field}", f"must be positive, got {getattr(d, field)}")
-    if d.dim % d.n_heads:
-        raise ConfigError("model.dim", f"{d.dim} is not divisible by n_heads={d.n_heads}")
+    if d.head_size < 0:
+        raise ConfigError("model.head_dim", f"must be positive, got {d.head_size}")
+    if d.dim % d.n_heads and not d.head_size:
+        raise ConfigError("model.dim", f"{d.dim} is not divisible by n_heads={d.n_heads}",
+                          "a multiple of model.n_heads, or set model.head_dim")
     if d.n_heads % d.n_kv_heads:
         raise ConfigError("model.n_kv_heads", f"{d.n_kv_heads} does not divide n_heads={d.n_heads}")
     if d.head_dim % 2:
-        raise ConfigError("model.dim", f"{d.dim} gives head_dim={d.head_dim} (dim/n_heads), which must be "
-                          "even for RoPE")
+        key = "model.head_dim" if d.head_size else "model.dim"
+        raise ConfigError(key, f"gives head_dim={d.head_dim}, which must be even for RoPE")
 
 
-def layer_params(d: GPTDims) -> int:
-    attn = d.dim * (d.dim + 2 * d.kv_dim) + d.dim * d.dim  # fused qkv + output projection
-    mlp = 3 * d.dim * d.ffn_dim  # SwiGLU: gate, up, down
+def attention_params(d: GPTDims) -> int:
+    """Fused qkv + output projection (+ the q/k norms of qk_norm)."""
+    return d.dim * (d.q_dim + 2 * d.kv_dim) + d.q_dim * d.dim + (2 * d.head_dim if d.qk_norm else 0)
+
+
+def layer_params(d: GPTDims, i: int = 0) -> int:
+    """Block i's parameters (a dense block's unless block i is MoE)."""
+    mlp = d.moe.layer_mlp_params(d.dim) if d.is_moe_layer(i) else 3 * d.dim * d.ffn_dim  # SwiGLU: gate, up, down
     norms = 2 * d.dim
-    return attn + mlp + norms
+    return attention_params(d) + mlp + norms
 
 
 def param_count(d: GPTDims) -> int:
     """Exact; te_gpt's TransformerLayer (RMSNorm, swiglu, no bias) holds exactly gpt Block's tensors."""
     embed = d.vocab_size * d.dim
     head = 0 if d.tie_embeddings else d.vocab_size * d.dim
-    return embed + d.n_layers * layer_params(d) + d.dim + head
+    return embed + sum(layer_params(d, i) for i in range(d.n_layers)) + d.dim + head
+
+
+def expert_params(d: GPTDims) -> int:
+    """The routed experts' weights over all layers (what mesh.ep splits); 0 for a dense model."""
+    return 0 if d.moe is None else d.moe.moe_layers(d.n_layers) * d.moe.expert_params(d.dim)
 
 
 def matmul_params(d: GPTDims) -> int:
     """Weights in a matmul per token: every linear incl. the head (also when tied), not the
-    embedding lookup, norms or biases."""
-    return d.n_layers * (layer_params(d) - 2 * d.dim) + d.vocab_size * d.dim
+    embedding lookup, norms or biases. In a MoE layer only the active ones: the router, top_k
+    experts and the shared expert."""
+    attn = d.dim * (d.q_dim + 2 * d.kv_dim) + d.q_dim * d.dim
+    mlp = sum(d.moe.active_mlp_params(d.dim) if d.is_moe_layer(i) else 3 * d.dim * d.ffn_dim
+              for i in range(d.n_layers))
+    return d.n_layers * attn + mlp + d.vocab_size * d.dim
+
+
+def active_params(d: GPTDims) -> int:
+    """Parameters one token uses: all but the routed experts it does not go to."""
+    if d.moe is None:
+        return param_count(d)
+    unused = (d.moe.experts - d.moe.top_k) * 3 * d.dim * d.moe.ffn_dim
+    return param_count(d) - d.moe.moe_layers(d.n_layers) * unused
 
 
 def lm_flops_per_token(n_matmul: int, n_layers: int, dim: int, seq_len: int) -> float:
@@ -157,7 +229,8 @@ def lm_flops_per_token(n_matmul: int, n_layers: int, dim: int, seq_len: int) -> 
 
 
 def flops_per_token(d: GPTDims, seq_len: int) -> float:
-    return lm_flops_per_token(matmul_params(d), d.n_layers, d.dim, seq_len)
+    """Counted from the active weights (matmul_params) and the attention's q width (n_heads x head_dim)."""
+    return lm_flops_per_token(matmul_params(d), d.n_layers, d.q_dim, seq_len)
 
 
 # Bytes per logit alive when the loss's backward starts (lm_loss: cross-entropy in fp32): the
@@ -200,12 +273,24 @@ def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_
         sequence parallelism splits all of it.
     A checkpointed block keeps only its input, plus one block's full set while it recomputes.
     Logits: `loss_bytes_per_logit` per token and vocab entry (the head is whole on every tp rank).
+    A MoE layer saves, per token, for each of its top_k experts the dispatched input and output
+    copies (2d, plus d each way through the all-to-all under mesh.ep) and the expert's 4 * its ffn,
+    the shared expert's 4 * its ffn, and the router's fp32 logits and probabilities (4 elements per
+    expert at fp32 over bf16: counted as 4); an estimate, not yet calibrated on a GPU.
     """
     tokens = micro_batch_size * seq_len
+    if d.moe is not None and not te_layers:
+        m = d.moe
+        moe_mlp = m.top_k * (4 * d.dim + 4 * m.ffn_dim) + 4 * m.shared_ffn_dim + 4 * m.experts
+        n_moe = m.moe_layers(d.n_layers)
+        mlp = (n_moe * moe_mlp + (d.n_layers - n_moe) * 4 * d.ffn_dim) / d.n_layers  # the mean over blocks
+        d_mlp = mlp / 4  # in units of the dense rule's 4 * ffn_dim below
+    else:
+        d_mlp = d.ffn_dim
     if te_layers:
         per_layer, ckpt_in, weights = (6 * d.dim + 2 * d.kv_dim + 3 * d.ffn_dim) / tp, d.dim / tp, 0.0
     else:
-        per_layer = 4 * d.dim + (3 * d.dim + 3 * d.kv_dim + 4 * d.ffn_dim) / tp
+        per_layer = 4 * d.dim + (3 * d.dim + 3 * d.kv_dim + 4 * d_mlp) / tp
         ckpt_in = d.dim
         # The local fused weights torch.cat'ed per forward (tp > 1 only), per token of this micro-batch.
         weights = (d.dim * (d.dim + 2 * d.kv_dim) + 2 * d.dim * d.ffn_dim) / tp / tokens if tp > 1 else 0.0
@@ -230,5 +315,8 @@ def activation_bytes(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_
 
 
 def describe(d: GPTDims, preset: str) -> str:
-    return (f"preset={preset} dim={d.dim} layers={d.n_layers} heads={d.n_heads} kv_heads={d.n_kv_heads} "
-            f"ffn={d.ffn_dim} vocab={d.vocab_size} tied={d.tie_embeddings}")
+    head = f" head_dim={d.head_dim}" if d.head_size else ""
+    qk = " qk_norm" if d.qk_norm else ""
+    moe = f" {d.moe.describe()}" if d.moe is not None else ""
+    return (f"preset={preset} dim={d.dim} layers={d.n_layers} heads={d.n_heads} kv_heads={d.n_kv_heads}{head}{qk} "
+            f"ffn={d.ffn_dim} vocab={d.vocab_size} tied={d.tie_embeddings}{moe}")

@@ -16,9 +16,14 @@ class GPTFamily(ModelFamily):
     section = GPTModelConfig
     # model.activation_checkpointing wraps each Block / TE TransformerLayer (models/activation_checkpoint.py).
     activation_checkpointing = True
-    doc_mask = True  # GPT.forward(input_ids, doc_ids): a block-causal SDPA mask
+    doc_mask = True  # GPT.forward(input_ids, doc_ids): attention per document (models/doc_attention.py)
     tp_mode = Parallel.DTENSOR  # models/llama/tensor_parallel.py
     cp_mode = Parallel.ALLGATHER  # models/llama/context_parallel.py
+    lora = True  # peft adapters on its nn.Linear layers (wqkv, wo, w_gate_up, w_down, lm_head)
+    base_key = "model.init_from"
+    base_hint = "a local Llama-layout Hugging Face directory"
+    torchao_fp8 = True  # plain nn.Linear matmuls (components/float8.py)
+    expert_parallel = True  # model.moe's experts over mesh.ep (models/llama/expert_parallel.py)
 
     def parallelize(self, model, m, dims, mesh) -> None:
         if dims.tp > 1:
@@ -30,6 +35,10 @@ class GPTFamily(ModelFamily):
             from .context_parallel import apply_context_parallel
 
             apply_context_parallel(model, mesh["cp"])
+        if getattr(dims, "ep", 1) > 1:
+            from .expert_parallel import apply_expert_parallel
+
+            apply_expert_parallel(model, mesh, dims)
         self.apply_activation_checkpointing(model, m)
 
     def dims(self, m) -> L.GPTDims:
@@ -37,9 +46,29 @@ class GPTFamily(ModelFamily):
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)  # every dimension rule, with the key that breaks it
+        self.check_variants(d, m, ctx)
         self.check_init_from(m)
         self.check_tp_dims(d, ctx)
         return []
+
+    def check_variants(self, d: L.GPTDims, m, ctx: ModelContext) -> None:
+        """What the MoE and Qwen3-style attention variants do not combine with (yet), and mesh.ep."""
+        variant = ("model.moe.experts" if d.moe is not None else "model.qk_norm" if d.qk_norm
+                   else "model.head_dim" if d.head_size else None)
+        if variant and ctx.tp > 1:
+            raise ConfigError("mesh.tp", f"{ctx.tp} with {variant}: the DTensor tensor-parallel plan covers the "
+                              "dense attention and MLP only", "1 (mesh.ep splits the experts instead)")
+        if variant and m.init_from:
+            raise ConfigError("model.init_from", f"reads Llama-layout directories, which have no {variant}",
+                              f"null, or a dense model without {variant}")
+        if d.moe is None:
+            if ctx.ep > 1:
+                raise ConfigError("mesh.ep", f"{ctx.ep} splits the experts of a mixture of experts, and "
+                                  f"model={self.name} preset={m.preset} has none", "1, or model.moe.experts=N")
+            return
+        if d.moe.experts % ctx.ep:
+            raise ConfigError("mesh.ep", f"{ctx.ep} does not divide model.moe.experts={d.moe.experts}",
+                              "a divisor of model.moe.experts that divides mesh.dp_shard*mesh.cp")
 
     def check_tp_dims(self, d: L.GPTDims, ctx: ModelContext) -> None:
         """What tp must divide (gpt's DTensor plan and te_gpt's TE layers alike). tp dividing
@@ -92,6 +121,14 @@ class GPTFamily(ModelFamily):
                                  sources=llama_keys.sources(self.dims(m), self.name))
         announce(report, key="model.init_from", source=m.init_from)
 
+    def base_dir(self, m):
+        return m.init_from
+
+    def modules(self, m, seq_len: int) -> dict:
+        from ..meta import meta_modules
+
+        return meta_modules(m, seq_len)
+
     def n_heads(self, m) -> int:
         return self.dims(m).n_heads
 
@@ -103,6 +140,22 @@ class GPTFamily(ModelFamily):
 
     def param_count(self, m) -> int:
         return L.param_count(self.dims(m))
+
+    def active_params(self, m) -> int:
+        return L.active_params(self.dims(m))
+
+    def experts(self, m) -> int:
+        moe = self.dims(m).moe
+        return 0 if moe is None else moe.experts
+
+    def expert_params(self, m) -> int:
+        return L.expert_params(self.dims(m))
+
+    def unit_expert_params(self, m) -> int:
+        d = self.dims(m)
+        if d.moe is None or self._root_params(d) >= max(L.layer_params(d, i) for i in range(d.n_layers)):
+            return 0
+        return d.moe.expert_params(d.dim)  # the largest unit is a MoE block
 
     def flops_per_token(self, m, seq_len: int) -> float:
         return L.flops_per_token(self.dims(m), seq_len)
@@ -118,16 +171,33 @@ class GPTFamily(ModelFamily):
     def largest_unit_params(self, m) -> int:
         # Units: each Block; the root holds the embedding, final norm and head.
         d = self.dims(m)
+        return max(max(L.layer_params(d, i) for i in range(d.n_layers)), self._root_params(d))
+
+    @staticmethod
+    def _root_params(d: L.GPTDims) -> int:
         head = 0 if d.tie_embeddings else d.vocab_size * d.dim
-        return max(L.layer_params(d), d.vocab_size * d.dim + d.dim + head)
+        return d.vocab_size * d.dim + d.dim + head
 
     def describe(self, m, seq_len: int) -> str:
-        return f"{self.name} {L.describe(self.dims(m), m.preset)} " + super().describe(m, seq_len).split(" ", 1)[1]
+        d = self.dims(m)
+        line = f"{self.name} {L.describe(d, m.preset)} " + super().describe(m, seq_len).split(" ", 1)[1]
+        if d.moe is None:
+            return line
+        # A mixture of experts: what a token uses (FLOPs and MFU count these), and what mesh.ep splits.
+        return line.replace(" flops/token=", f" active={L.active_params(d):,} experts={L.expert_params(d):,}"
+                            " flops/token=", 1)
 
     def _spec(self, m, seq_len: int, **parts) -> ModelSpec:
-        return ModelSpec(name=self.name, loss=loss_for(m.loss_kernel), uses_tokens=True, synthetic_batch=None,
+        loss = loss_for(m.loss_kernel)
+        moe = {}
+        if self.dims(m).moe is not None:
+            from .moe_stats import after_step, moe_loss
+
+            loss, moe = moe_loss(loss), {"after_step": after_step}
+        return ModelSpec(name=self.name, loss=loss, uses_tokens=True, synthetic_batch=None,
                          tokens_per_sample=seq_len, num_params=self.param_count(m),
-                         flops_per_token=self.flops_per_token(m, seq_len), vocab_size=self.vocab_size(m), **parts)
+                         flops_per_token=self.flops_per_token(m, seq_len), vocab_size=self.vocab_size(m),
+                         **moe, **parts)
 
     def spec(self, m, seq_len: int) -> ModelSpec:
         from ...components.precision import torch_dtype

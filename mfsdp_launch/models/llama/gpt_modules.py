@@ -7,7 +7,8 @@ attribute, not an argument), so meta-device init plus `to_empty()` leaves nothin
 and FSDP's casting of forward inputs to bf16 never touches them.
 
 `forward(input_ids, doc_ids=None)`: with `doc_ids` (data.doc_mask) a token attends only to earlier
-tokens of its own document, through a block-causal SDPA mask. Positions are not restarted per
+tokens of its own document (models/doc_attention.py: varlen flash attention on a GPU, a dense
+block-causal SDPA mask as the CPU fallback). Positions are not restarted per
 document: RoPE scores depend only on the distance between two tokens, so a document attends
 within itself exactly as it would alone.
 """
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...corpus.doc_mask import block_causal_mask
+from ..doc_attention import Documents
 from .dims import GPTDims
 
 INIT_STD = 0.02
@@ -93,8 +94,11 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = d.n_heads, d.n_kv_heads, d.head_dim
         self.rope_theta = d.rope_theta
         # One GEMM for q, k and v.
-        self.wqkv = Linear(d.dim, d.dim + 2 * d.kv_dim, INIT_STD, **kw)
-        self.wo = Linear(d.dim, d.dim, out_std, **kw)
+        self.wqkv = Linear(d.dim, d.q_dim + 2 * d.kv_dim, INIT_STD, **kw)
+        self.wo = Linear(d.q_dim, d.dim, out_std, **kw)
+        # model.qk_norm (Qwen3): each query and key head RMS-normalized before RoPE.
+        self.q_norm = RMSNorm(d.head_dim, d.norm_eps, **kw) if d.qk_norm else None
+        self.k_norm = RMSNorm(d.head_dim, d.norm_eps, **kw) if d.qk_norm else None
         # Set by models/llama/context_parallel.py under mesh.cp > 1: this rank holds part of the sequence.
         self.context_parallel = None
         # (cos, sin) of this forward's positions, set by GPT.forward: one table for all layers. Not a
@@ -106,15 +110,24 @@ class Attention(nn.Module):
         cp = self.context_parallel
         return rope_cos_sin(T if cp is None else cp.positions(T, device), self.head_dim, self.rope_theta, device)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of x [B, T, dim] as [B, heads, T, head_dim], before RoPE (q and k normalized
+        under qk_norm). The KV-cache decoder (models/llama/kv_cache.py) uses it too."""
         B, T, _ = x.shape
         hd = self.head_dim
         q, k, v = self.wqkv(x).split(
             [self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1
         )
-        q = q.view(B, T, self.n_heads, hd).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
+        q, k = q.view(B, T, self.n_heads, hd), k.view(B, T, self.n_kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v
+
+    def forward(self, x: torch.Tensor, mask: Optional[Documents] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.heads(x)
         cp = self.context_parallel
         shared = self.rope is not None and self.rope[0].shape[0] == T
         cos, sin = self.rope if shared else self.rope_tables(T, x.device)
@@ -126,19 +139,18 @@ class Attention(nn.Module):
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         else:
-            if self.n_kv_heads != self.n_heads:  # expanded: the masked (memory-efficient) kernels lack GQA
-                k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = mask.attend(q, k, v)  # per document (Documents)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * hd))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one GEMM."""
 
-    def __init__(self, d: GPTDims, out_std: float, **kw):
+    def __init__(self, d: GPTDims, out_std: float, ffn_dim: Optional[int] = None, **kw):
         super().__init__()
-        self.w_gate_up = Linear(d.dim, 2 * d.ffn_dim, INIT_STD, **kw)
-        self.w_down = Linear(d.ffn_dim, d.dim, out_std, **kw)
+        ffn = ffn_dim or d.ffn_dim
+        self.w_gate_up = Linear(d.dim, 2 * ffn, INIT_STD, **kw)
+        self.w_down = Linear(ffn, d.dim, out_std, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
@@ -146,18 +158,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; the FSDP unit."""
+    """Pre-norm transformer block; the FSDP unit. Block `layer`'s MLP is a mixture of experts
+    (models/llama/moe.py) when the dims say that layer is one."""
 
-    def __init__(self, d: GPTDims, **kw):
+    def __init__(self, d: GPTDims, layer: int = 0, **kw):
         super().__init__()
         # GPT-2 / Megatron scaling: residual-branch outputs shrink with depth.
         out_std = INIT_STD / math.sqrt(2 * d.n_layers)
         self.attn_norm = RMSNorm(d.dim, d.norm_eps, **kw)
         self.attn = Attention(d, out_std, **kw)
         self.mlp_norm = RMSNorm(d.dim, d.norm_eps, **kw)
-        self.mlp = MLP(d, out_std, **kw)
+        if d.is_moe_layer(layer):
+            from .moe import MoE
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+            shared = MLP(d, out_std, ffn_dim=d.moe.shared_ffn_dim, **kw) if d.moe.shared_experts else None
+            self.mlp = MoE(d, out_std, shared=shared, **kw)
+        else:
+            self.mlp = MLP(d, out_std, **kw)
+
+    def forward(self, x: torch.Tensor, mask: Optional[Documents] = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -174,7 +193,7 @@ class GPT(nn.Module):
         self.dims = dims
         kw = {"dtype": dtype} if dtype is not None else {}
         self.tok_emb = Embedding(dims.vocab_size, dims.dim, **kw)
-        self.layers = nn.ModuleList(Block(dims, **kw) for _ in range(dims.n_layers))
+        self.layers = nn.ModuleList(Block(dims, i, **kw) for i in range(dims.n_layers))
         self.norm = RMSNorm(dims.dim, dims.norm_eps, **kw)
         self.lm_head = None if dims.tie_embeddings else Linear(dims.dim, dims.vocab_size, INIT_STD, **kw)
 
@@ -182,9 +201,10 @@ class GPT(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.tok_emb(input_ids)
-        mask = None if doc_ids is None else block_causal_mask(doc_ids)
+        mask = None if doc_ids is None else Documents(doc_ids, cu_seqlens)
         tables = self.layers[0].attn.rope_tables(input_ids.shape[1], x.device) if len(self.layers) else None
         for layer in self.layers:
             layer.attn.rope = tables  # every layer shares the positions (and the cp layout)

@@ -10,6 +10,7 @@ so the directory never mixes two exports.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -153,6 +154,20 @@ def export_gpt_state(state: Mapping[str, "torch.Tensor"], out_dir: str | os.Path
     return write_hf_dir(out_dir, nbytes, make, config, max_shard_bytes=max_shard_bytes, metadata=metadata)
 
 
+def export_variant_state(state: Mapping[str, "torch.Tensor"], out_dir: str | os.PathLike, *, dims: GPTDims,
+                         dtype: Optional["torch.dtype"] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                         max_position_embeddings: int = 4096,
+                         metadata: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """A full MoE / qk_norm `gpt` state dict -> a Qwen3-MoE, Qwen3 or Mixtral directory
+    (models/llama/hf_moe.py says which and how)."""
+    from . import hf_moe
+
+    out_dtype = dtype or _float_dtype(v for v in state.values() if hasattr(v, "is_floating_point"))
+    nbytes, make = hf_moe.variant_tensors(state, dims, out_dtype)
+    config = hf_moe.hf_config(dims, dtype=hf_dtype_name(out_dtype), max_position_embeddings=max_position_embeddings)
+    return write_hf_dir(out_dir, nbytes, make, config, max_shard_bytes=max_shard_bytes, metadata=metadata)
+
+
 def export_hf_state(state: Mapping[str, "torch.Tensor"], out_dir: str | os.PathLike, *,
                     hf_config: Mapping[str, Any], dtype: Optional["torch.dtype"] = None,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -204,15 +219,24 @@ def export_checkpoint(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     state, found = read_model_state(ckpt)
     model_cfg = _run_model_config(found)
     name = str(model_cfg.name)
+    from ...checkpoint.adapters import of
+
+    if of(found.manifest):
+        raise ConfigError("--format", f"hf: {found.path} holds LoRA adapters only (model.peft), not a model",
+                          f"--format hf --merge (merged into their base, {of(found.manifest)['base']['path']}), "
+                          "or --format peft")
     torch_dtype = getattr(torch, TORCH_DTYPES[dtype]) if dtype else None
     meta = {"step": str(found.step), "source": str(found.path)}
     if name in llama_keys.MODELS:
         from .dims import resolve_gpt_dims
+        from .hf_moe import uses_variant
 
         seq_len = int((found.manifest.get("config") or {}).get("train", {}).get("seq_len", 0))
-        info = export_gpt_state(state, out, dims=resolve_gpt_dims(model_cfg), model=name, dtype=torch_dtype,
-                                max_shard_bytes=max_shard_bytes, metadata=meta,
-                                max_position_embeddings=max(4096, seq_len))
+        dims = resolve_gpt_dims(model_cfg)
+        # Mixtures of experts and Qwen3-style attention: a Qwen3-MoE / Qwen3 / Mixtral directory.
+        writer = export_variant_state if uses_variant(dims) else functools.partial(export_gpt_state, model=name)
+        info = writer(state, out, dims=dims, dtype=torch_dtype, max_shard_bytes=max_shard_bytes, metadata=meta,
+                      max_position_embeddings=max(4096, seq_len))
     elif name == "hf":
         info = export_hf_state(state, out, hf_config=_hf_config_dict(model_cfg), dtype=torch_dtype,
                                max_shard_bytes=max_shard_bytes, metadata=meta)

@@ -46,12 +46,7 @@ class KVCache:
 
 def _qkv(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q, k, v of `x` [B, T, dim] as [B, heads, T, head_dim], q and k rotated."""
-    B, T, _ = x.shape
-    hd = attn.head_dim
-    q, k, v = attn.wqkv(x).split([attn.n_heads * hd, attn.n_kv_heads * hd, attn.n_kv_heads * hd], dim=-1)
-    q = q.view(B, T, attn.n_heads, hd).transpose(1, 2)
-    k = k.view(B, T, attn.n_kv_heads, hd).transpose(1, 2)
-    v = v.view(B, T, attn.n_kv_heads, hd).transpose(1, 2)
+    q, k, v = attn.heads(x)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 

@@ -16,10 +16,13 @@ class TEGPTFamily(GPTFamily):
     name = "te_gpt"
     has_te_layers = True
     doc_mask = False  # TE's variable-length (THD) attention, which a document mask needs, is not wired yet
+    lora = False  # peft's LoRA layers wrap torch.nn.Linear, not TE's fused LayerNormLinear/LayerNormMLP
     # TE's tp_size/sequence_parallel at build (`spec_for`), its tp and cp groups wired after it
     # (models/llama/te_parallel.py); TE's context-parallel attention is a p2p ring.
     tp_mode = Parallel.TE
     cp_mode = Parallel.TE
+    expert_parallel = False  # no mixture of experts in TE's TransformerLayer (check refuses model.moe)
+    torchao_fp8 = False  # its matmuls are TE layers: TE's own FP8 recipes
 
     def shape(self, m) -> dict:
         # Manifests record fuse_qkv with every TE family's shape; te_gpt's layers always fuse QKV in
@@ -38,6 +41,13 @@ class TEGPTFamily(GPTFamily):
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)
+        # TE's TransformerLayer is the dense block; the mixture of experts and Qwen3's attention
+        # variants are gpt's (TE GroupedLinear experts are not wired).
+        for key, used in (("model.moe.experts", d.moe is not None), ("model.qk_norm", d.qk_norm),
+                          ("model.head_dim", bool(d.head_size) and d.head_size != d.dim // d.n_heads)):
+            if used:
+                raise ConfigError(key, f"model={self.name}'s TE TransformerLayer has no {key.split('.')[-1]}",
+                                  "model=gpt, or leave it unset")
         self.check_init_from(m)
         if ctx.fp8_params and not m.init_on_meta:
             # Seen on one H200 (TE 2.20): TE's in-place init of quantized weights built on the GPU

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import rank_log, run_ranks, spawn_ranks
+from helpers import one_rank_group, rank_log, run_ranks, spawn_ranks
 
 
 def _child(rank: int, world: int, scenario: str, workdir: str) -> None:
@@ -31,6 +31,17 @@ def _spawn(scenario: str, world: int, workdir: Path):
 
 def _run(scenario: str, world: int, workdir: Path, timeout: float = 90) -> str:
     return run_ranks(_child, world, scenario, workdir, logs=workdir / scenario, timeout=timeout)[0]
+
+
+def _run_here(scenario: str, workdir: Path, capsys) -> str:
+    """A 1-rank scenario in this process, in a 1-rank gloo group (a child would only add a torch
+    import); returns what it printed."""
+    store = workdir / f"{scenario}.store"
+    store.unlink(missing_ok=True)  # a file store left by an earlier group would be joined again
+    capsys.readouterr()
+    with one_rank_group(store):
+        SCENARIOS[scenario](0, 1, workdir)
+    return capsys.readouterr().out
 
 
 # =============================================================================== child side
@@ -320,16 +331,16 @@ def test_async_save_commits(main_run):
     assert verify_checksums(workdir / "run" / "checkpoints" / "step_6", manifest) is None
     assert re.search(r"checkpoint step_6 committed \([\d.]+ MB, [\d.]+ s, async\)", out), out
 
-def test_resume_at_another_world_size_reshards(main_run):
+def test_resume_at_another_world_size_reshards(main_run, capsys):
     workdir, _ = main_run
-    out = _run("load1", 1, workdir)
+    out = _run_here("load1", workdir, capsys)
     assert "resuming from step 6" in out
     assert "world size 2 -> 1" in out
 
-def test_resume_at_a_larger_world_size(main_run):
+def test_resume_at_a_larger_world_size(main_run, capsys):
     workdir, _ = main_run
     if not (workdir / "full7.pt").exists():
-        _run("load1", 1, workdir)
+        _run_here("load1", workdir, capsys)
     out = _run("grow", 2, workdir)
     assert "resuming from step 7" in out and "world size 1 -> 2" in out
     assert "ranks 1..1 have no saved RNG state" in out
@@ -372,7 +383,7 @@ def test_saved_model_keys_strips_prefixes_and_refuses_collisions(tmp_path):
         saved_model_keys(md, path=tmp_path, key="checkpoint.load_path")
     assert str(e.value) == f"checkpoint.load_path: {tmp_path}: keys 'w' and another both map to 'w'"
 
-def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path):
+def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, capsys):
     procs = _spawn("crash", 2, tmp_path)
     marker = tmp_path / "rank1_writing"
     deadline = time.time() + 60
@@ -394,7 +405,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path):
     assert not (ck / "step_20").exists()
     assert (ck / "step_20.tmp").is_dir()
     assert (ck / "latest").read_text().strip() == "step_10"
-    out = _run("after_crash", 1, tmp_path)
+    out = _run_here("after_crash", tmp_path, capsys)
     assert f"resuming from step 10 ({ck / 'step_10'})" in out
     assert not (ck / "step_20.tmp").exists()
 

@@ -11,7 +11,7 @@ import torch
 
 from helpers import EOS, one_line, write_corpus
 from mfsdp_launch.planner import prepare
-from mfsdp_launch.corpus import doc_ids_from_eos
+from mfsdp_launch.corpus import cu_seqlens, doc_ids_from_eos
 from mfsdp_launch.data import TokenBatches, check_data_config
 from mfsdp_launch.core.errors import ConfigError
 from mfsdp_launch.rank.loop import TrainState
@@ -101,7 +101,8 @@ def test_doc_ids_follow_eos_and_documents_start_samples(corpora, tmp_path):
     _, _, next_batch = _source(cfg, 1, 0)
     for step in range(5):
         b = next_batch(step, 0)
-        assert set(b) == {"input_ids", "labels", "doc_ids"} and b["doc_ids"].shape == b["input_ids"].shape
+        assert set(b) == {"input_ids", "labels", "doc_ids", "cu_seqlens"} and b["doc_ids"].shape == b["input_ids"].shape
+        assert torch.equal(b["cu_seqlens"], cu_seqlens(b["doc_ids"]))  # computed on the host, for varlen attention
         assert torch.equal(b["doc_ids"], doc_ids_from_eos(b["input_ids"], EOS))
         assert int(b["doc_ids"][:, -1].min()) >= 1  # 64 tokens span documents of 6..61 tokens
     plain = config(tmp_path, f"data.sources=[{{path: '{corpora['a']}'}}]")

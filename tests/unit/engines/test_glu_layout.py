@@ -2,8 +2,9 @@
 
 Real DCP on gloo: four child processes hold fc1 as Megatron-FSDP does under dp_shard=2 x tp=2
 (tp shards [gate_r | up_r] concatenated, unevenly row-sharded over dp, Megatron-FSDP's own chunk
-metadata), save and load it; this process reads and writes the same checkpoint as one plain
-tp=1 tensor. The children are gloo ranks (helpers.run_ranks) running _child.
+metadata), load it from a checkpoint this process wrote as one plain tp=1 tensor, and save it for
+this process to read back as one. The children are gloo ranks (helpers.run_ranks) running _child,
+both directions in one spawn (four processes importing torch cost more than the check itself).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def expected_local(tp_rank: int, dp_rank: int) -> torch.Tensor:
     return shard[start: start + DP_ROWS[dp_rank]]
 
 
-def _child(rank: int, world: int, scenario: str, workdir: str) -> None:
+def _child(rank: int, world: int, workdir: str) -> None:
+    """Load the tp=1 checkpoint `workdir`/tp1 into a zeroed shard (asserting its rows), then save a
+    freshly filled shard (independent of the load) to `workdir`/tp2."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -41,42 +44,33 @@ def _child(rank: int, world: int, scenario: str, workdir: str) -> None:
 
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    local = expected_local(tp_rank, dp_rank).clone()
-    if scenario == "load":
-        local.zero_()
     mesh._shard_order = [1, 0]  # as Megatron-FSDP marks (tp shard, then dp shard inside it)
-    dt = DTensor.from_local(local, mesh, [Shard(0), Shard(0)], shape=(2 * FFN, DIM),
-                            stride=(DIM, 1), run_check=False)
-    update_uneven_dtensor_chunk_metadata(dt)
-    canonicalize(dt, TP)
-    path = str(Path(workdir) / "ckpt")
-    if scenario == "save":
-        dcp.save({"fc1_weight": dt}, checkpoint_id=path)
-    else:
-        dcp.load({"fc1_weight": dt}, checkpoint_id=path)
-        assert torch.equal(local, expected_local(tp_rank, dp_rank)), (rank, local)
 
+    def fc1(local):
+        dt = DTensor.from_local(local, mesh, [Shard(0), Shard(0)], shape=(2 * FFN, DIM),
+                                stride=(DIM, 1), run_check=False)
+        update_uneven_dtensor_chunk_metadata(dt)
+        canonicalize(dt, TP)
+        return dt
 
-def _run_children(scenario: str, workdir: Path) -> None:
-    run_ranks(_child, DP * TP, scenario, workdir)
+    loaded = torch.zeros(DP_ROWS[dp_rank], DIM)
+    dcp.load({"fc1_weight": fc1(loaded)}, checkpoint_id=str(Path(workdir) / "tp1"))
+    assert torch.equal(loaded, expected_local(tp_rank, dp_rank)), (rank, loaded)
+    dcp.save({"fc1_weight": fc1(expected_local(tp_rank, dp_rank).clone())},
+             checkpoint_id=str(Path(workdir) / "tp2"))
 
 
 @pytest.mark.slow
-def test_tp2_save_reads_back_as_the_tp1_tensor(tmp_path):
+def test_tp1_save_loads_into_tp2_shards_and_tp2_save_reads_back_as_the_tp1_tensor(tmp_path):
+    """Both directions in one spawn of the four ranks: each child asserts the rows it loaded from
+    this process's tp=1 save; this process then reads the children's tp=2 save as the tp=1 tensor."""
     import torch.distributed.checkpoint as dcp
 
-    _run_children("save", tmp_path)
+    dcp.save({"fc1_weight": tp1_weight()}, checkpoint_id=str(tmp_path / "tp1"), no_dist=True)
+    run_ranks(_child, DP * TP, tmp_path)  # each child asserts its loaded rows
     full = {"fc1_weight": torch.zeros(2 * FFN, DIM)}
-    dcp.load(full, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.load(full, checkpoint_id=str(tmp_path / "tp2"), no_dist=True)
     assert torch.equal(full["fc1_weight"], tp1_weight())
-
-
-@pytest.mark.slow
-def test_tp1_save_loads_into_tp2_shards(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"fc1_weight": tp1_weight()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
-    _run_children("load", tmp_path)  # each child asserts its rows
 
 
 def test_glu_chunks_and_gathered_order():

@@ -138,10 +138,14 @@ def test_the_pod_command_trains_and_stops_on_sigterm_for_the_job_to_retry(tmp_pa
     pvc = tmp_path / "pvc"
     pvc.mkdir()
     (pvc / "STOP").touch()  # left by the attempt a preemption stopped: not a stop request of this one
+    # One rank in the pod: what is proven is the pod's command and its signal and exit code; every
+    # rank stopping together on SIGTERM is test_run_lifecycle's (2 ranks).
     small = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
-             "train.grad_accum_steps=1", "train.micro_batch_size=2", "train.progress=false", "engine.backend=gloo"]
+             "train.grad_accum_steps=1", "train.micro_batch_size=2", "train.progress=false", "engine.backend=gloo",
+             "launcher.nproc_per_node=1"]
     _, (config_map, job) = manifest_of(f"launcher.pvc_mount={pvc}", "train.steps=400", *small,
                                        run_dir=tmp_path / "local")
+    assert "--nproc-per-node=1" in containers(job)[0]["command"][2]
     container = containers(job)[0]
     etc = tmp_path / "etc"
     etc.mkdir()
@@ -149,7 +153,7 @@ def test_the_pod_command_trains_and_stops_on_sigterm_for_the_job_to_retry(tmp_pa
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(sys.executable)
-    env = {**cli_env(), **{e["name"]: e["value"] for e in container["env"]}, **operator_env(2, free_port()),
+    env = {**cli_env(), **{e["name"]: e["value"] for e in container["env"]}, **operator_env(1, free_port()),
            "MFSDP_CONFIG": str(etc / "config.yaml"), "HOSTNAME": "cpu-smoke-master-0",
            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     log = open(tmp_path / "pod.out", "w")

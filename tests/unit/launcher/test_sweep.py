@@ -16,8 +16,10 @@ from mfsdp_launch.launcher import launch as launch_mod
 from mfsdp_launch.core import exit_codes, rundir
 from mfsdp_launch.launcher import sweep, sweep_summary
 
+# The real sweeps run each job on 1 rank: what they prove is the sweep (one launch per job, job
+# dirs, summary, skip and resume), which does not depend on a job's world size.
 SMALL = ["model.preset=tiny", "train.seq_len=64", "data.max_bytes=2000000", "train.log_interval=1",
-         "train.grad_accum_steps=1"]
+         "train.grad_accum_steps=1", "launcher.nproc_per_node=1"]
 
 
 # --- fast: launch() replaced by a fake that writes what a run writes ---------------------------
@@ -277,12 +279,12 @@ def test_sweep_with_an_invalid_point_finishes_the_others_and_resumes_unfinished(
     import shutil
 
     sw = tmp_path / "sw"
-    args = ["-m", "+recipe=cpu_smoke", "mesh.dp_shard=2,3", "train.steps=4", "checkpoint.interval=2", *SMALL,
+    args = ["-m", "+recipe=cpu_smoke", "mesh.dp_shard=1,3", "train.steps=4", "checkpoint.interval=2", *SMALL,
             f"run.name=bad_{tmp_path.name}", f"hydra.sweep.dir={sw}"]
     r = cli(*args, cwd=tmp_path, timeout=300)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     rows = {x["overrides"].split(" ")[1]: x for x in rows_of(sw / rundir.SWEEP_SUMMARY)}
-    good, bad = rows["mesh.dp_shard=2"], rows["mesh.dp_shard=3"]
+    good, bad = rows["mesh.dp_shard=1"], rows["mesh.dp_shard=3"]  # 3 does not fit the 1 rank
     assert good["status"] == "done" and float(good["final_loss"]) > 0 and good["step"] == "4"
     assert bad["status"] == "invalid" and bad["exit_code"] == "2"
     assert "mesh: dp_outer*dp_shard*cp*tp" in r.stderr

@@ -1,7 +1,7 @@
 """Context parallelism for `gpt` (models/llama/context_parallel.py) on gloo: the attention op against
 whole-sequence attention in real processes (values and gradients), RoPE at global positions, the
 validation rules, and the CLI: cp=2 reproduces cp=1's losses, and a checkpoint saved at cp=2
-resumes at cp=1 with the uninterrupted run's next losses."""
+resumes at cp=1 with the uninterrupted run's next losses (one cp=2 run proves both)."""
 
 import os
 
@@ -122,8 +122,12 @@ def assert_same(a, b, steps):
 
 
 @pytest.mark.slow
-def test_cp2_losses_equal_cp1(tmp_path, reference):
-    run(tmp_path / "cp2", *CP2_RUN)
+def test_cp2_losses_equal_cp1_and_its_checkpoint_resumes_at_cp1(tmp_path, reference):
+    """One cp=2 run of 10 steps, saving at step 5: its losses, grad norms and validation equal cp=1's;
+    a copy of its step 5 checkpoint resumed at cp=1 (DCP reshards) gives the reference's steps 6-10."""
+    import shutil
+
+    run(tmp_path / "cp2", *CP2_RUN, "checkpoint.interval=5")
     cp2 = train_rows(tmp_path / "cp2")
     assert sorted(cp2) == list(range(1, 11))
     assert len({r["loss"] for r in cp2.values()}) > 5  # the weights move
@@ -131,13 +135,12 @@ def test_cp2_losses_equal_cp1(tmp_path, reference):
     for step in (5, 10):
         assert cp2[step]["val_loss"] == pytest.approx(reference[step]["val_loss"], rel=1e-5)
 
-
-@pytest.mark.slow
-def test_checkpoint_at_cp2_resumes_at_cp1(tmp_path, reference):
-    run(tmp_path / "run", *CP2_RUN, steps=5, save=True)
-    out = run(tmp_path / "run", *ONE, steps=10)
-    assert "resum" in (out.stdout + out.stderr).lower()
-    assert_same(reference, train_rows(tmp_path / "run"), range(1, 11))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "cp2" / "checkpoints" / "step_5", resumed / "checkpoints" / "step_5")
+    out = run(resumed, *ONE, steps=10)
+    assert "resuming from step 5" in out.stdout, out.stdout[-3000:]
+    assert sorted(train_rows(resumed)) == list(range(6, 11))
+    assert_same(reference, train_rows(resumed), range(6, 11))
 
 
 @pytest.mark.slow

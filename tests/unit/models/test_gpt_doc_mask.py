@@ -8,6 +8,7 @@ import torch
 
 from mfsdp_launch.models.llama.config import GPTModelConfig
 from mfsdp_launch.corpus import block_causal_mask, doc_ids_from_eos
+from mfsdp_launch.models.doc_attention import Documents
 from mfsdp_launch.models.losses import lm_loss
 from mfsdp_launch.models.llama.gpt_modules import GPT
 from mfsdp_launch.models.llama.dims import resolve_gpt_dims
@@ -72,7 +73,7 @@ def test_doc_mask_gradients_stay_inside_documents():
     doc_ids = doc_ids_from_eos(inputs, EOS)
     emb = model.tok_emb(inputs).detach().requires_grad_(True)
     x = emb
-    mask = block_causal_mask(doc_ids)
+    mask = Documents(doc_ids)  # what GPT.forward hands every layer
     for layer in model.layers:
         x = layer(x, mask)
     x[0, LENGTHS[0][0] + 3].sum().backward()  # a token of the second document

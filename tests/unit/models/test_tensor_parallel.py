@@ -1,5 +1,6 @@
 """Tensor + sequence parallelism for `gpt` under FSDP2 on gloo (models/llama/tensor_parallel.py): the tp=2
-loss curve equals tp=1's, DCP checkpoints reshard between tp=2 and tp=1 in both directions, and
+loss curve equals tp=1's, DCP checkpoints reshard between tp=2 and tp=1 in both directions (one
+tp=2 x dp=2 run proves the curve and saves the checkpoint the reshards start from), and
 inside a tp=2 model the blocks hold T/2 tokens while logits and every gradient equal the plain
 model's (two gloo ranks, helpers.run_ranks)."""
 
@@ -34,23 +35,27 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_tp2_with_dp2_on_4_ranks_matches_tp1(tmp_path, reference):
-    run(tmp_path / "tp2", "launcher.nproc_per_node=4", "mesh.tp=2", "train.micro_batch_size=2")
+def test_tp2_with_dp2_on_4_ranks_matches_tp1_and_its_checkpoint_reshards_to_tp1_and_back(tmp_path, reference):
+    """One tp=2 x dp=2 run of 20 steps on 4 ranks equals the tp=1 curve and saves at step 7; a copy
+    of that step 7 resumed in one run dir gives steps 8-14 at tp=1 (1 rank) and 15-20 at tp=2 again
+    (2 ranks), both on the reference's curve."""
+    import shutil
+
+    run(tmp_path / "tp2", "launcher.nproc_per_node=4", "mesh.tp=2", "train.micro_batch_size=2",
+        "checkpoint.interval=7")
     tp2 = train_rows(tmp_path / "tp2")
     assert sorted(tp2) == list(range(1, 21))
     assert len({r["loss"] for r in tp2.values()}) > 10  # the weights move
     assert tp2[1]["grad_norm"] == pytest.approx(reference[1]["grad_norm"], rel=1e-5)
     assert_same_curve(reference, tp2, range(1, 21))
 
-
-@pytest.mark.slow
-def test_checkpoint_reshards_tp2_to_tp1_and_back(tmp_path, reference):
-    """One run dir: steps 1-7 at tp=2, 8-14 resumed at tp=1, 15-20 resumed at tp=2 again."""
-    run(tmp_path / "run", *TP2, steps=7, save=True)
-    for overrides, steps in ((ONE, 14), (TP2, 20)):
-        out = run(tmp_path / "run", *overrides, steps=steps, save=True)
-        assert "resum" in (out.stdout + out.stderr).lower()
-    assert_same_curve(reference, train_rows(tmp_path / "run"), range(1, 21))
+    resumed = tmp_path / "run"
+    shutil.copytree(tmp_path / "tp2" / "checkpoints" / "step_7", resumed / "checkpoints" / "step_7")
+    for overrides, steps, start in ((ONE, 14, 7), (TP2, 20, 14)):
+        out = run(resumed, *overrides, steps=steps, save=True)
+        assert f"resuming from step {start}" in out.stdout, out.stdout[-3000:]
+    assert sorted(train_rows(resumed)) == list(range(8, 21))
+    assert_same_curve(reference, train_rows(resumed), range(8, 21))
 
 
 def _sp_child(rank: int, world: int) -> None:

@@ -1,0 +1,161 @@
+"""The mixture of experts on one GPU (models/llama/moe.py, engines/megatron_experts.py):
+
+* the bf16 grouped GEMM (`torch._grouped_mm`) and the padded batched GEMM give the CPU loop's
+  outputs and weight gradients;
+* under engine=megatron_fsdp (dp_shard=1, mesh.ep=1) the experts are Megatron-FSDP's expert
+  parameters (allreduce=False) on the expert mesh, the grouped GEMM runs, and a bf16 run trains;
+  the same model trains under fsdp2; DCP saves the experts in their global shape;
+* a Qwen3-30B-A3B-shaped slice (model.preset=qwen3-30b-a3b model.n_layers=2) trains through the
+  CLI under megatron_fsdp in bf16.
+FP8 does not apply: TE's recipes act on TE layers, and the MoE is the plain-torch `gpt`'s
+(`model=te_gpt model.moe.*` is refused before spawning; tests/unit/models/test_moe.py).
+
+Each engine case runs in its own process (`python tests/gpu/test_moe_gpu.py CASE OUT`, one rank,
+a fresh NCCL world), through the launcher's own builders (rank/runtime.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+pytestmark = pytest.mark.gpu
+
+MOE = ["model=gpt", "model.preset=tiny_moe", "model.dim=128", "model.n_heads=4", "model.moe.ffn_dim=128",
+       "model.moe.experts=8", "model.moe.top_k=2", "model.moe.shared_experts=1", "data=synthetic", "train.seq_len=128",
+       "train.micro_batch_size=4", "train.grad_accum_steps=1", "optim.lr=3e-3", "optim.warmup_steps=0",
+       "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "mesh.dp_shard=1",
+       "launcher.nproc_per_node=1"]
+
+
+def _require_gpu():
+    from _harness import require_gpus
+
+    require_gpus(1)
+
+
+def test_grouped_gemm_equals_the_loop():
+    _require_gpu()
+    import torch
+
+    from mfsdp_launch.models.llama import moe
+
+    torch.manual_seed(0)
+    E, dim, ffn = 8, 256, 128
+    counts = torch.tensor([5, 0, 17, 3, 40, 1, 0, 9])
+    x = torch.randn(int(counts.sum()), dim, device="cuda")
+    w1 = (0.02 * torch.randn(E, 2 * ffn, dim, device="cuda")).requires_grad_()
+    w2 = (0.02 * torch.randn(E, dim, ffn, device="cuda")).requires_grad_()
+
+    def run(fn, dtype):
+        a, b = w1.detach().to(dtype).requires_grad_(), w2.detach().to(dtype).requires_grad_()
+        y = fn(x.to(dtype), counts.cuda(), a, b)
+        y.float().square().sum().backward()
+        return y.float(), a.grad.float(), b.grad.float()
+
+    assert moe.grouped_mm_applies(x.bfloat16(), w1.bfloat16(), w2.bfloat16())
+    ref = run(lambda *a: moe._loop(a[0], a[1].cpu(), a[2], a[3]), torch.float32)
+    for got in (run(moe._grouped, torch.bfloat16), run(moe._padded_bmm, torch.float32)):
+        for g, r in zip(got, ref):
+            assert torch.allclose(g, r, rtol=3e-2, atol=3e-2 * r.abs().max().item()), (g - r).abs().max()
+
+
+def _case(case: str, out: str) -> None:
+    """One rank: build the MoE through rank/runtime.py's builders and train a few steps."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from mfsdp_launch.models.llama import moe
+    from mfsdp_launch.planner import prepare
+    from mfsdp_launch.rank.runtime import build_training, init_runtime
+
+    engine = case
+    cfg, _ = prepare([*MOE, f"engine={engine}"], check_hardware=False)
+    rt = init_runtime(cfg.engine, cfg.mesh)
+    tr = build_training(cfg, rt)
+    grouped = {"calls": 0}
+    real = moe._grouped
+
+    def counted(*args):
+        grouped["calls"] += 1
+        return real(*args)
+
+    moe._grouped = counted  # counts the grouped-GEMM calls; the kernel itself runs
+    experts = [p for m in tr.model.modules() if getattr(m, "is_expert_module", False) for p in m.parameters()]
+    buffer = getattr(tr.model, "param_and_grad_buffer", None)  # Megatron-FSDP's parameter groups
+    expert_groups = sum(bool(g.is_expert_param) for g in buffer.parameter_groups) if buffer is not None else 0
+    index = getattr(tr.model, "dist_index", None)
+    expert_group = index.get_fsdp_group(is_expert_parallel=True) if index is not None else None
+    losses = []
+    gen = torch.Generator().manual_seed(0)
+    fixed = torch.randint(0, 256, (4, 129), generator=gen).to(rt.device)  # one batch: the loss must fall
+    for step in range(8):
+        tr.engine.set_grad_sync(tr.model, True)
+        loss = tr.spec.loss(tr.forward_model, {"input_ids": fixed[:, :-1], "labels": fixed[:, 1:]})
+        loss.backward()
+        check = tr.engine.check_step(tr.model, 1.0, loss.detach())
+        tr.optimizer.step()
+        tr.optimizer.zero_grad()
+        row = tr.spec.after_step(tr.model, True)
+        losses.append(check.loss)
+    state = tr.engine.state_dict(tr.model, tr.optimizer)["model"]
+    shapes = {k: list(v.shape) for k, v in state.items() if "experts" in k}
+    dcp.save({"model": state}, checkpoint_id=os.path.join(out + ".ckpt"))
+    Path(out).write_text(json.dumps({"losses": losses, "expert_groups": expert_groups, "n_experts": len(experts),
+                                     "expert_group": expert_group is not None, "grouped": grouped["calls"],
+                                     "shapes": shapes, "load": row["moe_load_max"]}))
+
+
+def _run_case(case: str, tmp_path) -> dict:
+    from _harness import free_port
+
+    out = tmp_path / f"{case}.json"
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()),
+               # keep the caller's path too: on the GPU machine megatron-fsdp and hydra live there
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, __file__, case, str(out)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("engine", ["megatron_fsdp", "fsdp2"])
+def test_moe_trains_on_one_gpu(engine, tmp_path):
+    _require_gpu()
+    got = _run_case(engine, tmp_path)
+    assert got["losses"][-1] < got["losses"][0] - 0.5, got["losses"]
+    assert got["grouped"] > 0  # bf16 on CUDA: the grouped GEMM, not a loop
+    # DCP sees every expert: [experts, 2 * ffn, dim]
+    assert [s for k, s in got["shapes"].items() if k.endswith("layers.0.mlp.experts.w_gate_up")] == [[8, 256, 128]]
+    assert len(got["load"]) == 2 and got["n_experts"] == 4
+    if engine == "megatron_fsdp":  # the experts are Megatron-FSDP's expert parameters, on the expert mesh
+        assert got["expert_groups"] > 0 and got["expert_group"]
+
+
+def test_qwen3_slice_trains_under_megatron_fsdp(tmp_path):
+    _require_gpu()
+    from helpers import cli, read_metrics
+
+    out = cli("model=gpt", "model.preset=qwen3-30b-a3b", "model.n_layers=2", "engine=megatron_fsdp",
+              "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "data=synthetic",
+              "train.seq_len=2048", "train.micro_batch_size=2", "train.steps=6", "train.log_interval=1",
+              "train.progress=false", "checkpoint.save_final=false", f"run.dir={tmp_path / 'run'}", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 6 and all(r["mfu"] is None or 0 < r["mfu"] < 1 for r in rows)
+    assert len(rows[-1]["moe_load_max"]) == 2
+
+
+if __name__ == "__main__":
+    _case(sys.argv[1], sys.argv[2])

@@ -1,0 +1,192 @@
+"""Every family gets the memory and parallelism tools (issue 26), trained through the product's own
+wiring (planner.prepare -> rank/runtime.build_training -> the engine's step check, the checkpoint
+manager, mfsdp-export), in this process or in gloo ranks:
+
+* activation checkpointing of `model=hf`'s decoder layers and `model=custom`'s unit modules under
+  FSDP2 gives the losses of no checkpointing while the saved activations shrink (one rank);
+* `model=hf` with mesh.tp=2 (the architecture's TP plan + sequence parallelism) and with
+  mesh.cp=2 (all-gather attention) on 4 ranks give the losses of tp=cp=1; a tp=2 checkpoint
+  resumes at tp=1 with the same losses, and its HF export holds whole tensors (one run_ranks)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from helpers import USER_MODULE_NAME, one_rank_group, run_ranks, write_user_module  # noqa: E402
+
+TINY_LLAMA = ("model=hf", "model.hf_class=LlamaForCausalLM",
+              "model.hf_config={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 4, "
+              "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 64}")
+# The README's module (helpers.USER_MODULE), four blocks.
+README_CUSTOM = ("model=custom", f"model.target={USER_MODULE_NAME}:build", "model.kwargs={n_layers: 4}",
+                 f"model.fsdp_unit_modules=[{USER_MODULE_NAME}.Block]")
+COMMON = ("engine=fsdp2", "data=synthetic", "train.seq_len=32", "train.micro_batch_size=2", "optim.lr=1e-2",
+          "optim.warmup_steps=0", "precision.compute_dtype=fp32", "launcher.nproc_per_node=1")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: one intra-op thread is several times faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train_here(overrides, steps: int, *, world: int = 1, run_dir=None, save_at=None):
+    """(losses per step, saved-activation bytes of the first forward, Training) of the product's
+    training wiring on this process's (initialized) group. With `run_dir` the checkpoint manager
+    resumes from it first (losses start after the resumed step) and saves at step `save_at`."""
+    import torch.distributed as dist
+
+    from mfsdp_launch.mesh import ParallelDims
+    from mfsdp_launch.planner import prepare
+    from mfsdp_launch.rank.loop import TrainState
+    from mfsdp_launch.rank.runtime import Runtime, batch_source, build_checkpoints, build_training
+
+    where = [f"run.dir={run_dir}", "checkpoint.interval_minutes=null"] if run_dir else []
+    cfg, _ = prepare([*COMMON, *overrides, *where, f"launcher.nproc_per_node={world}"], check_hardware=False)
+    dims = ParallelDims.from_config(cfg.mesh, world)
+    rt = Runtime(rank=dist.get_rank(), local_rank=0, world_size=world, device=torch.device("cpu"),
+                 control=dist.group.WORLD, dims=dims, mesh=dims.build("cpu"))
+    tr = build_training(cfg, rt)
+    state, mgr = TrainState(), build_checkpoints(cfg, rt, tr.engine) if run_dir else None
+    if mgr is not None:
+        mgr.resume(tr.model, tr.optimizer, tr.scheduler, state)
+    next_batch = batch_source(cfg, tr.spec, rt, state)
+    saved, losses = [], []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    per_step = cfg.train.micro_batch_size * dims.dp_size
+    while state.step < steps:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if not losses else nullcontext():
+            loss = tr.spec.loss(tr.forward_model, next_batch(state.step, 0))
+        loss.backward()
+        check = tr.engine.check_step(tr.model, cfg.train.grad_clip, loss)
+        tr.optimizer.step()
+        tr.scheduler.step()
+        tr.optimizer.zero_grad(set_to_none=True)
+        losses.append(check.loss)
+        state.step += 1
+        state.consumed_samples += per_step
+        state.tokens_seen += per_step * cfg.train.seq_len
+        if state.step == save_at:
+            mgr.maybe_save(state.step, tr.model, tr.optimizer, tr.scheduler, state, force=True)
+            mgr.wait()
+    return losses, sum(saved), tr
+
+
+@pytest.mark.parametrize("model", ["hf", "custom"])
+def test_checkpointing_hf_and_custom_keeps_the_losses_and_shrinks_saved_activations(tmp_path, monkeypatch, model):
+    write_user_module(tmp_path / "mod")
+    monkeypatch.syspath_prepend(str(tmp_path / "mod"))
+    overrides = TINY_LLAMA if model == "hf" else README_CUSTOM
+    runs = {}
+    with one_rank_group(tmp_path / "store"):
+        for mode in ("none", "full", "selective"):
+            runs[mode] = train_here([*overrides, f"model.activation_checkpointing={mode}", "model.ac_every=2"], 4)
+    none, full, sel = (runs[k] for k in ("none", "full", "selective"))
+    assert len(set(none[0])) == 4  # the weights move
+    for other in (full, sel):
+        assert other[0] == pytest.approx(none[0], rel=1e-5, abs=1e-6)
+    # 4 units: selective (every 2nd) checkpoints 2, full all 4; the logits stay in every mode.
+    assert full[1] < sel[1] < none[1], (none[1], sel[1], full[1])
+    assert none[1] - full[1] > 1.5 * (none[1] - sel[1])
+
+
+# ---------------------------------------------------------------- model=hf: tp=2, cp=2, reshard
+
+TP_LLAMA = ("model=hf", "model.hf_class=LlamaForCausalLM",
+            "model.hf_config={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+            "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 64}",
+            "optim.decay_steps=20", "optim.lr=3e-3")
+
+
+def _parallel_child(rank: int, world: int, tmp: str) -> None:
+    """4 ranks: tp=1 x dp=4 (mbs 2) is the reference; tp=2 x dp=2 and cp=2 x dp=2 (mbs 4) see the
+    same 8 samples per step. The tp=2 run saves at step 10; tp=1 resumes it to step 20."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    one = train_here([*TP_LLAMA, "train.micro_batch_size=2"], 20, world=world)[0]
+    run = Path(tmp) / "tp2"
+    tp2, _, tr = train_here([*TP_LLAMA, "mesh.tp=2", "train.micro_batch_size=4"], 20, world=world, run_dir=run,
+                            save_at=10)
+    assert len(set(one)) == 20, one  # the weights move
+    assert tp2 == pytest.approx(one, rel=1e-5), (one, tp2)
+    resumed = train_here([*TP_LLAMA, "train.micro_batch_size=2"], 20, world=world, run_dir=run)[0]
+    assert resumed == pytest.approx(one[10:], rel=1e-5), (one[10:], resumed)
+    cp2 = train_here([*TP_LLAMA, "mesh.cp=2", "train.micro_batch_size=4"], 10, world=world)[0]
+    assert cp2 == pytest.approx(one[:10], rel=1e-5), (one[:10], cp2)
+    if rank == 0:  # the tp=2 checkpoint's HF export: whole tensors, loadable by transformers
+        from mfsdp_launch.tools.export import export
+
+        export(run / "checkpoints" / "step_10", Path(tmp) / "hf", fmt="hf")
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_hf_tp2_and_cp2_match_tp1_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mfsdp_launch.models.hf import model as H
+
+    run_ranks(_parallel_child, 4, str(tmp_path), timeout=600)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    plain = H.build_hf_model(H.resolve_hf_model(hf_config=fields, hf_class="LlamaForCausalLM"))
+    assert {k: v.shape for k, v in exported.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+
+
+def _hf(model_type: str, **fields) -> str:
+    base = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    if model_type == "gpt2":
+        base = dict(n_embd=32, n_layer=1, n_head=4, vocab_size=256, n_positions=64)
+    body = ", ".join(f"{k}: {v}" for k, v in {**base, **fields}.items())
+    return f"model.hf_config={{model_type: {model_type}, {body}}}"
+
+
+@pytest.mark.parametrize("overrides,key,words", [
+    ([_hf("gpt2"), "mesh.tp=2"], "mesh.tp", "GPT2LMHeadModel (model_type 'gpt2') has no tensor-parallel plan"),
+    ([_hf("mixtral", num_local_experts=2), "mesh.tp=2"], "mesh.tp", "moe_tp_experts"),
+    ([_hf("llama", num_key_value_heads=1), "mesh.tp=2"], "mesh.tp", "does not divide the 1 key/value heads"),
+    ([_hf("llama"), "mesh.tp=2", "engine=megatron_fsdp"], "mesh.tp", "model=hf's DTensor tensor parallelism"),
+    ([_hf("mistral", sliding_window=16), "mesh.cp=2"], "mesh.cp", "sliding-window attention (16 tokens)"),
+])
+def test_hf_parallelism_refusals_are_one_line(overrides, key, words):
+    from helpers import refused
+
+    exc = refused("model=hf", *overrides, "launcher.nproc_per_node=2", "launcher.dry_run=true")
+    assert exc.key == key and words in str(exc) and "\n" not in str(exc), str(exc)
+
+
+@pytest.mark.parametrize("model", ["hf", "custom"])
+def test_the_memory_estimate_follows_the_mode(tmp_path, monkeypatch, model):
+    from helpers import model_cfg
+    from mfsdp_launch.models import family
+
+    write_user_module(tmp_path / "mod")
+    monkeypatch.syspath_prepend(str(tmp_path / "mod"))
+    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256)
+    keys = (dict(hf_class="LlamaForCausalLM", hf_config=fields) if model == "hf" else
+            dict(target=f"{USER_MODULE_NAME}:build", kwargs={"n_layers": 4},
+                 fsdp_unit_modules=[f"{USER_MODULE_NAME}.Block"]))
+
+    def act(mode, every=2):
+        m = model_cfg(model, activation_checkpointing=mode, ac_every=every, **keys)
+        return family(model).activation_bytes(m, 4, 1024, 2)
+
+    assert act("full") < act("selective", 2) < act("selective", 4) < act("none")
