@@ -167,23 +167,29 @@ def _count(skipped: dict, what: str) -> str:
     return ""
 
 
-def _read_jsonl(p: Piece, field: str, skipped: dict) -> Iterator[Tuple[str, bool, int]]:
+def _jsonl_lines(p: Piece) -> Iterator[bytes]:
+    """The lines of a JSON-lines piece, newline included (their lengths are its input bytes)."""
     with open(p.path, "rb") as f:
         f.seek(p.a)
         pos = p.a
         while pos < p.b:
             line = f.readline()
             pos += len(line)
-            if not line.strip():
-                yield "", True, len(line)
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                yield _count(skipped, "bad_json"), True, len(line)
-                continue
-            text = obj.get(field) if isinstance(obj, dict) else None
-            yield (text if isinstance(text, str) else _count(skipped, "no_field")), True, len(line)
+            yield line
+
+
+def _read_jsonl(p: Piece, field: str, skipped: dict) -> Iterator[Tuple[str, bool, int]]:
+    for line in _jsonl_lines(p):
+        if not line.strip():
+            yield "", True, len(line)
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            yield _count(skipped, "bad_json"), True, len(line)
+            continue
+        text = obj.get(field) if isinstance(obj, dict) else None
+        yield (text if isinstance(text, str) else _count(skipped, "no_field")), True, len(line)
 
 
 def _read_parquet(p: Piece, field: str, skipped: dict) -> Iterator[Tuple[str, bool, int]]:
@@ -200,18 +206,13 @@ def _read_parquet(p: Piece, field: str, skipped: dict) -> Iterator[Tuple[str, bo
 def read_rows(p: Piece, skipped: dict) -> Iterator[Tuple[object, int]]:
     """(parsed JSON value, input bytes) of each non-blank line of a JSON-lines piece (``--chat``);
     a line that is not JSON comes as None (the caller counts it)."""
-    with open(p.path, "rb") as f:
-        f.seek(p.a)
-        pos = p.a
-        while pos < p.b:
-            line = f.readline()
-            pos += len(line)
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line), len(line)
-            except ValueError:
-                yield None, len(line)
+    for line in _jsonl_lines(p):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line), len(line)
+        except ValueError:
+            yield None, len(line)
 
 
 def read(p: Piece, field: str, skipped: dict) -> Iterator[Tuple[str, bool, int]]:

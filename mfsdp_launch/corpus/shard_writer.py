@@ -51,7 +51,11 @@ class _ShardBuilder:
         self.batch_bytes = 0
 
     def add(self, text: str, ends: bool, nbytes: int) -> None:
-        self.batch.append((text, ends))
+        self._push((text, ends), nbytes)
+
+    def _push(self, item: tuple, nbytes: int) -> None:
+        """Queue one row for the next batch encode, flushing once the batch holds BATCH_BYTES."""
+        self.batch.append(item)
         self.batch_bytes += nbytes
         if self.batch_bytes >= BATCH_BYTES:
             self.flush()
@@ -98,10 +102,7 @@ class _ChatShardBuilder(_ShardBuilder):
         except RowProblem as p:
             self.skipped[p.kind] = self.skipped.get(p.kind, 0) + 1
             text, spans = "", []
-        self.batch.append((text, spans))
-        self.batch_bytes += nbytes
-        if self.batch_bytes >= BATCH_BYTES:
-            self.flush()
+        self._push((text, spans), nbytes)
 
     def flush(self) -> None:
         from .chat import token_mask
