@@ -156,8 +156,10 @@ def test_sigterm_to_every_process_is_a_graceful_preemption_without_traceback(tmp
     out = (tmp_path / "out.log").read_text()
     assert proc.returncode == exit_codes.INTERRUPTED, err[-3000:]
     assert "Traceback" not in out + err and "mfsdp-train: failed" not in err, err
-    # torchrun itself stayed out of it (no SignalException tearing the ranks down, even in the log).
-    assert "SignalException" not in (run_dir / "logs" / rundir.LAUNCHER_LOG).read_text()
+    # torchrun itself stayed out of it: it neither raised its SignalException nor tore the ranks
+    # down. (The class name alone may appear: the stall watchdog's stack dumps quote source lines.)
+    launcher_log = (run_dir / "logs" / rundir.LAUNCHER_LOG).read_text()
+    assert "got signal:" not in launcher_log and "death signal" not in launcher_log, launcher_log[-3000:]
     stopped = metric_steps(run_dir)[-1]
     assert (run_dir / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()
     assert f"interrupted at step {stopped}/" in err
