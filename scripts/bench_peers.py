@@ -1,6 +1,7 @@
 """Peers bench: torchtitan 0.3.0 and NeMo Automodel 0.7.0 next to this launcher (both engines), in
 one device call, interleaved, on the same 1.4B Llama (dim 2048, 24 layers, 16 heads, ffn 5632,
-vocab 32000 untied), seq 2048, micro-batch 4, bf16 compute / fp32 reduce, FSDP over 2 GPUs.
+vocab 32000 untied), seq 2048, micro-batch 4 per GPU, bf16 compute / fp32 reduce, FSDP over every
+GPU of the machine (`--world N` overrides; the MoE slice entries pin one GPU unless --world says).
 
 The peers come from ../shared/peers/ staged into the git-ignored `.peers/` (its prepare.sh; see
 its README). torchtitan's modes run through the kit's own `run.sh` (flex_nocg, ...); the compile
@@ -13,6 +14,7 @@ throughput.png are re-rendered through scripts/bench.py's `render`.
   python3 scripts/bench_peers.py --dry                  # the commands, in order; runs nothing
   python3 scripts/bench_peers.py                        # all six entries, one round (~12 min)
   python3 scripts/bench_peers.py --only tt_compile      # one entry by its short name
+  python3 scripts/bench_peers.py --world 2              # on 2 of the machine's GPUs
   python3 scripts/bench_peers.py --merge OUT/peers_rows.json   # here: merge a device call's rows, render
 
 On the device only $OUT comes back, so each run also writes its rows to $OUT/peers_rows.json
@@ -45,10 +47,11 @@ from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))  # mfsdp_launch from this checkout
 import bench  # noqa: E402  (scripts/bench.py: launcher_args, run_launcher, results.json, render)
+from mfsdp_launch.core.hardware import local_gpu_count  # noqa: E402
 
 KIT = ROOT / ".peers"
-WORLD = 2  # run.sh and llama_1p4b_bench.yaml fix 2 GPUs (global batch 8 = 2 x 4)
 SEQ, MBS = 2048, 4
 STEPS = 40
 WARMUP = 10  # samples from steps/iterations >= this count
@@ -114,6 +117,7 @@ AM_TPS = re.compile(r"step (\d+) \|.*?mem ([\d.]+) GiB \| tps [\d.]+\(([\d.]+)/g
 AM_ITER = re.compile(r"Iteration (\d+)\b(?:.*?Max Memory Allocated:\s*([\d.]+) GB)?")
 AM_TIME = re.compile(r"Max iter time:\s*([\d.]+) seconds")
 AM_GBS = re.compile(r"Global batch size:\s*(\d+)")
+AM_DP = re.compile(r"DP size:\s*(\d+)")
 
 Sample = Tuple[int, float, Optional[float]]  # (step, tokens/s/GPU, memory GiB or None)
 
@@ -128,11 +132,15 @@ def parse_torchtitan(text: str) -> List[Sample]:
     return out
 
 
-def parse_automodel(text: str, seq_len: int = SEQ, world: int = WORLD) -> List[Sample]:
+def parse_automodel(text: str, seq_len: int = SEQ, world: Optional[int] = None) -> List[Sample]:
     """Automodel's `tps X(Y/gpu)` lines (Y is tokens/s/GPU); or, from its run_benchmark loop,
-    global batch x seq / world / max iteration time (the slowest rank's)."""
+    global batch x seq / world / max iteration time (the slowest rank's). `world`: the GPUs it ran
+    on; None: the DP size its log states (tp = cp = 1 here)."""
     text = ANSI.sub("", text)
     gbs = AM_GBS.search(text)
+    if world is None:
+        dp = AM_DP.search(text)
+        world = int(dp.group(1)) if dp else None
     out, it, mem = [], None, None
     for line in text.splitlines():
         m = AM_TPS.search(line)
@@ -145,12 +153,9 @@ def parse_automodel(text: str, seq_len: int = SEQ, world: int = WORLD) -> List[S
             mem = float(m.group(2)) if m.group(2) else mem
             continue
         m = AM_TIME.search(line)
-        if m and it is not None and gbs:
+        if m and it is not None and gbs and world:
             out.append((it, int(gbs.group(1)) * seq_len / world / float(m.group(1)), mem))
     return out
-
-
-PARSERS = {"torchtitan": parse_torchtitan, "automodel": parse_automodel}
 
 
 def summarize(samples: List[Sample], warmup: int = WARMUP) -> Optional[dict]:
@@ -178,6 +183,12 @@ def mfu_of(tokens_per_s_per_gpu: float, peak_tflops: Optional[float]) -> Optiona
 # --- the peers' commands ------------------------------------------------------------------------------
 
 
+def world_for(e: dict, override: Optional[int], machine: int) -> int:
+    """The GPUs entry `e` runs on: --world when given, else the entry's own (the MoE slice pins one
+    H200), else every GPU of the machine (at least one: a dry plan on a machine without any)."""
+    return int(override or e.get("world") or max(machine, 1))
+
+
 def peer_env(kit: Path, logs: Path) -> dict:
     """run.sh's environment (NVLink multicast off, offline hubs) and $OUT for its logs."""
     env = dict(os.environ, OUT=str(logs), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
@@ -194,21 +205,23 @@ def tt_install_command(kit: Path) -> List[str]:
 
 def tt_command(kit: Path, e: dict, steps: int = STEPS) -> List[str]:
     """run.sh's `tt` function: torchrun over tt_launch.py with the tt_bench config, plus e's flags."""
-    return ["torchrun", "--standalone", f"--nproc-per-node={e.get('world', WORLD)}", str(kit / "tt_launch.py"),
+    return ["torchrun", "--standalone", f"--nproc-per-node={e['world']}", str(kit / "tt_launch.py"),
             "--module", e.get("module", "tt_bench"), "--config", e.get("config", "llama_1p4b_bench"),
             "--training.steps", str(steps), *e["flags"]]
 
 
 def commands(e: dict, kit: Path, logs: Path, launcher_steps: int) -> List[List[str]]:
+    """`e` with its "world" resolved (world_for): run.sh takes it as NPROC (and scales Automodel's
+    global batch to 4 per GPU), torchrun and the launcher as their process count."""
     if e["kind"] == "run_sh":
-        return [["bash", str(kit / "run.sh"), e["mode"]]]
+        return [["env", f"NPROC={e['world']}", "bash", str(kit / "run.sh"), e["mode"]]]
     if e["kind"] == "tt":
         return [tt_install_command(kit), tt_command(kit, e)]
     return [[sys.executable, "-m", "mfsdp_launch",
-             *launcher_overrides(e, launcher_steps, logs / e["name"], e.get("world", WORLD))]]
+             *launcher_overrides(e, launcher_steps, logs / e["name"], e["world"])]]
 
 
-def launcher_overrides(e: dict, steps: int, run_dir: Path, world: int = WORLD) -> List[str]:
+def launcher_overrides(e: dict, steps: int, run_dir: Path, world: int) -> List[str]:
     return bench.launcher_args(e, world, steps, 5, run_dir)  # (it appends the entry's "extra" overrides)
 
 
@@ -252,16 +265,17 @@ def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
             f.flush()
             f.write(f"rc={rc} wall_s={time.time() - t0:.0f} flags: {' '.join(e['flags'])}\n")
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
-    got = summarize(PARSERS[e["parser"]](text))
+    samples = parse_automodel(text, world=e["world"]) if e["parser"] == "automodel" else parse_torchtitan(text)
+    got = summarize(samples)
     row = {k: v for k, v in e.items() if k not in ("flags", "mode", "parser")}
-    row.update(group=GROUP, kind="peer", fp8_params=False, world=e.get("world", WORLD), wall_s=round(time.time() - t0, 1),
+    row.update(group=GROUP, kind="peer", fp8_params=False, world=e["world"], wall_s=round(time.time() - t0, 1),
                log=str(log_path))
     if got is None:
         return dict(row, ok=False, error=f"no throughput lines in {log_path.name} (exit {rc}): " + text[-600:])
     return dict(row, ok=True, **got)
 
 
-def run_ours(e: dict, steps: int, logs: Path, log, world: int = WORLD, group: str = GROUP,
+def run_ours(e: dict, steps: int, logs: Path, log, world: int, group: str = GROUP,
              timeout: int = 400) -> dict:
     """A launcher row as scripts/bench.py's run_launcher makes it (medians of metrics.jsonl after the
     first row), with this entry's extra overrides (train.compile=true)."""
@@ -286,7 +300,7 @@ def run_ours(e: dict, steps: int, logs: Path, log, world: int = WORLD, group: st
                 rows=len(rows), wall_s=round(time.time() - t0, 1))
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", action="append", default=[], help=f"short names: {', '.join(ENTRIES)}")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the interleaved sequence")
@@ -295,21 +309,29 @@ def main() -> int:
     ap.add_argument("--kit", default=str(KIT))
     ap.add_argument("--logs", default=os.environ.get("OUT", str(bench.OUT / "peers_logs")))
     ap.add_argument("--tag", default="", help="suffix for the row names (keeps rows of separate calls apart)")
+    ap.add_argument("--world", type=int, default=None,
+                    help="GPUs for every entry (default: the machine's GPU count; the MoE slice entries: 1)")
     ap.add_argument("--dry", action="store_true", help="print the commands; run nothing")
     ap.add_argument("--merge", nargs="+", help="peers_rows.json files from device calls: merge and render")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.merge:
         return merge(a.merge)
     unknown = [n for n in a.only if n not in ENTRIES]
     if unknown:
         print(f"bench_peers: unknown entry {unknown[0]!r} (allowed: {', '.join(ENTRIES)})", file=sys.stderr)
         return 2
+    if a.world is not None and a.world < 1:
+        print(f"bench_peers: --world must be >= 1, got {a.world}", file=sys.stderr)
+        return 2
     names = a.only or DEFAULT
     kit, logs = Path(a.kit), Path(a.logs)
-    plan = [(r, n) for r in range(1, a.rounds + 1) for n in names]
+    machine = local_gpu_count()  # torch-free: the driver's GPU list, CUDA_VISIBLE_DEVICES
+    if a.dry and not machine and a.world is None:
+        print("bench_peers: no GPU here: the plan is for 1 GPU per entry (--world N plans for N)", file=sys.stderr)
+    plan = [(r, n, world_for(ENTRIES[n], a.world, machine)) for r in range(1, a.rounds + 1) for n in names]
     if a.dry:
-        for r, n in plan:
-            e = ENTRIES[n]
+        for r, n, world in plan:
+            e = dict(ENTRIES[n], world=world)
             for cmd in commands(e, kit, logs, a.steps):
                 print(f"[round {r}] {n}: {shlex.join(cmd)}")
         return 0
@@ -325,7 +347,7 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
 
     from mfsdp_launch.core.hardware import peak_tflops_for
 
-    need = max(ENTRIES[n].get("world", WORLD) for _, n in plan)
+    need = max(world for _, _, world in plan)
     if torch.cuda.device_count() < need:
         print(f"bench_peers: needs {need} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 1
@@ -336,10 +358,10 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
     res["device"] = f"{torch.cuda.device_count()}x {device}"
     rows: Dict[str, dict] = {}
     with open(logs / "launcher.log", "a") as log:
-        for r, n in plan:
-            e = dict(ENTRIES[n], name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else "") + a.tag)
+        for r, n, world in plan:
+            e = dict(ENTRIES[n], world=world, name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else "") + a.tag)
             if e["kind"] == "launcher":
-                row = run_ours(e, a.steps, logs, log, world=e.get("world", WORLD), timeout=a.timeout + 120)
+                row = run_ours(e, a.steps, logs, log, world=world, timeout=a.timeout + 120)
             else:
                 row = run_peer(e, kit, logs, a.timeout)
                 if row.get("ok"):

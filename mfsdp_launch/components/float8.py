@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List, Sequence
 
 from ..core.errors import ConfigError
-from ..core.fp8 import FP8_GEMM_MULTIPLE, FP8Recipe, is_torchao
+from ..core.fp8 import FP8Recipe, is_torchao
+from ..core.fp8_flops import fp8_shape
 from ..core.globs import check_globs_match, matching
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def _eligible(module, fqn: str, skipped: List[str]) -> bool:
         return True  # torchao walks containers through the filter too
     if any(fqn == s or fqn.startswith(s + ".") for s in skipped):
         return False
-    return module.in_features % FP8_GEMM_MULTIPLE == 0 and module.out_features % FP8_GEMM_MULTIPLE == 0
+    return fp8_shape(module.in_features, module.out_features)  # the rule mfu_at_precision counts by
 
 
 def convert(model: "torch.nn.Module", fp8_cfg, *, emulate: bool = False) -> List[str]:

@@ -12,19 +12,14 @@ from typing import Optional
 import torch
 
 from ..core import rundir, storage
-from ..core.hardware import peak_tflops_for
+from ..core.mfu import Peaks, peaks_for
 from .metrics_tail import MetricsTail
 
 
-def device_peak_tflops(device: torch.device, configured: Optional[float]) -> tuple[Optional[float], str]:
-    """(peak, where it came from). MFU is null rather than guessed when the device is unknown."""
-    if configured:
-        return float(configured), "train.peak_tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = peak_tflops_for(name)
-        return peak, (f"{name} dense bf16" if peak else f"unknown device {name!r}")
-    return None, "a CPU has no known peak"
+def device_peaks(device: torch.device, configured: Optional[float]) -> Peaks:
+    """This device's dense bf16 and FP8 peaks (core/mfu.py); MFU is null rather than guessed when
+    the device is unknown. `configured`: train.peak_tflops."""
+    return peaks_for(torch.cuda.get_device_name(device) if device.type == "cuda" else None, configured)
 
 
 def peak_reserved_gib(device: torch.device) -> Optional[float]:

@@ -8,29 +8,35 @@ import subprocess
 from functools import lru_cache
 from typing import Optional, Tuple
 
-# Dense bf16 tensor-core peaks (TFLOP/s), from the vendors' data sheets. Matched by substring of
-# torch.cuda.get_device_name(); FP8 runs still report MFU against the bf16 peak (stated in logs).
-BF16_PEAK_TFLOPS = (
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("H800", 989.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("GB200", 2500.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("RTX 4090", 165.0),
+# Dense (no sparsity) tensor-core peaks in TFLOP/s, (bf16, fp8), from the vendors' data sheets;
+# fp8 None where the GPU has no FP8 tensor cores. Matched by substring of
+# torch.cuda.get_device_name(), so a name that holds another (GB200 holds B200) comes first.
+# `mfu` is against the bf16 figure for every run, FP8 ones too; `mfu_at_precision` blends in the
+# fp8 one (core/mfu.py).
+DENSE_PEAK_TFLOPS = (
+    ("GH200", 989.0, 1979.0),
+    ("H200", 989.0, 1979.0),
+    ("H100 PCIe", 756.0, 1513.0),
+    ("H100", 989.0, 1979.0),
+    ("H800", 989.0, 1979.0),
+    ("GB200", 2500.0, 5000.0),
+    ("B200", 2250.0, 4500.0),
+    ("A100", 312.0, None),
+    ("A800", 312.0, None),
+    ("L40S", 362.0, 733.0),
+    ("L4", 121.0, 242.0),
+    ("A10G", 70.0, None),
+    ("RTX 4090", 165.0, 330.0),  # fp32 accumulation (fp16 accumulation is twice as fast)
 )
+PRECISIONS = ("bf16", "fp8")
 
 
-def peak_tflops_for(device_name: str) -> Optional[float]:
-    for key, peak in BF16_PEAK_TFLOPS:
-        if key in device_name:
-            return peak
+def peak_tflops_for(device_name: str, precision: str = "bf16") -> Optional[float]:
+    """The dense peak of `precision` (bf16 | fp8) of the first table entry the name holds."""
+    column = 1 + PRECISIONS.index(precision)
+    for entry in DENSE_PEAK_TFLOPS:
+        if entry[0] in device_name:
+            return entry[column]
     return None
 
 

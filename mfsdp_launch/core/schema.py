@@ -257,7 +257,8 @@ class TrainConfig:
     # At every log step, name a rank whose busy time per step is over this many times the median
     # of the others (rank/straggler.py: one all_gather of a float); 0: off.
     straggler_ratio: float = 1.5
-    # Device peak in TFLOP/s for MFU; null looks the device up, and MFU is null if unknown.
+    # The dense bf16 peak in TFLOP/s for MFU; null looks the device up, and MFU is null if unknown.
+    # mfu_at_precision's FP8 peak keeps the device's FP8:bf16 ratio (core/mfu.py).
     peak_tflops: Optional[float] = None
     # Hang diagnosis: when no step completes for this many seconds, every rank prints all its
     # threads' Python stacks to stderr (again every period while stalled). null: off.

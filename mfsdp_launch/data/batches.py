@@ -136,24 +136,34 @@ class TokenBatches:
             w = torch.from_numpy(toks)
             return {"input_ids": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous(),
                     **_documents(docs[:, :-1])}
-        from ..models.losses import IGNORE_INDEX
-
-        start, mbs = int(global_sample_start), self.micro_batch_size
-        rows = [self.dataset.sample_parts(start + i, docs=self.doc_mask, mask=True) for i in range(mbs)]
-        toks = np.stack([r[0] for r in rows])
-        self._check_vocab(toks, start)
-        mask = np.stack([r[-1] for r in rows])
-        labels = np.where(mask[:, 1:], toks[:, 1:], IGNORE_INDEX)  # the mask is of the predicted token
-        out = {"input_ids": torch.from_numpy(np.ascontiguousarray(toks[:, :-1])), "labels": torch.from_numpy(labels)}
-        if self.doc_mask:
-            out.update(_documents(np.stack([r[1] for r in rows])[:, :-1]))
-        return out
+        return masked_batch(self.dataset, int(global_sample_start), self.micro_batch_size, self.doc_mask,
+                            check=self._check_vocab)
 
     def microbatch(self, step: int, micro: int, *, grad_accum_steps: int, **base) -> Dict[str, Any]:
         """This rank's batch for optimizer step ``step``, micro-batch ``micro``."""
         return self.batch(microbatch_start(step, micro, micro_batch_size=self.micro_batch_size,
                                            grad_accum_steps=grad_accum_steps, dp_rank=self.dp_rank,
                                            dp_size=self.dp_size, **base))
+
+
+def masked_batch(dataset, start: int, mbs: int, doc_mask: bool, check=None) -> Dict[str, Any]:
+    """Samples ``start .. start + mbs - 1`` of a loss-masked corpus TokenDataset as a batch whose
+    labels are -100 where the mask says the predicted token is no target (training and mfsdp-eval
+    read masked data through this one rule). `check(tokens, start)`: a vocabulary check."""
+    import torch
+
+    from ..models.losses import IGNORE_INDEX
+
+    rows = [dataset.sample_parts(start + i, docs=doc_mask, mask=True) for i in range(mbs)]
+    toks = np.stack([r[0] for r in rows])
+    if check is not None:
+        check(toks, start)
+    mask = np.stack([r[-1] for r in rows])
+    labels = np.where(mask[:, 1:], toks[:, 1:], IGNORE_INDEX)  # the mask is of the predicted token
+    out = {"input_ids": torch.from_numpy(np.ascontiguousarray(toks[:, :-1])), "labels": torch.from_numpy(labels)}
+    if doc_mask:
+        out.update(_documents(np.stack([r[1] for r in rows])[:, :-1]))
+    return out
 
 
 def _documents(doc_ids: np.ndarray) -> Dict[str, Any]:

@@ -62,7 +62,7 @@ def job_dirs_in(sweep_dir: Path) -> List[Path]:
 # --- the summary -------------------------------------------------------------------------------
 
 COLUMNS = ("job", "overrides", "status", "exit_code", "step", "final_loss", "tokens_per_s_per_gpu",
-           "mfu", "peak_mem_gib", "run_dir")
+           "mfu", "mfu_at_precision", "peak_mem_gib", "run_dir")
 
 
 def job_row(jdir: Path) -> dict:
@@ -85,7 +85,8 @@ def job_row(jdir: Path) -> dict:
         "train_steps": steps,
         "final_loss": last.get("loss"),
         "tokens_per_s_per_gpu": last.get("tokens_per_s_per_gpu"),
-        "mfu": last.get("mfu"),
+        "mfu": last.get("mfu"),  # against the dense bf16 peak
+        "mfu_at_precision": last.get("mfu_at_precision"),  # against the FP8-weighted peak (core/mfu.py)
         "peak_mem_gib": last.get("peak_mem_gib"),
         "error": st.get("error"),
         "run_dir": str(jdir),
@@ -137,6 +138,12 @@ def _fmt(key: str, value) -> str:
     return str(value)
 
 
+def _mfu_cell(r: dict) -> str:
+    """MFU against the bf16 peak, and against the FP8-weighted peak where that differs (FP8 GEMMs)."""
+    cell, at = _fmt("mfu", r.get("mfu")), r.get("mfu_at_precision")
+    return cell if at is None or at == r.get("mfu") else f"{cell} ({100 * at:.1f}% at precision)"
+
+
 DISPLAY = (("overrides", "overrides"), ("status", "status"), ("step", "step"), ("final_loss", "final loss"),
            ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("mfu", "MFU"), ("peak_mem_gib", "peak mem GiB"))
 
@@ -146,7 +153,8 @@ def _display_rows(rows: List[dict]) -> tuple[List[str], List[List[str]]]:
     table = []
     for r, ovr in zip(rows, per_row):
         step = "-" if r["step"] is None else (f"{r['step']}/{r['train_steps']}" if r["train_steps"] else str(r["step"]))
-        cells = {"overrides": " ".join(ovr) or "(none)", "step": step, "status": r.get("label", r["status"])}
+        cells = {"overrides": " ".join(ovr) or "(none)", "step": step, "status": r.get("label", r["status"]),
+                 "mfu": _mfu_cell(r)}
         table.append([cells.get(k, _fmt(k, r.get(k))) for k, _ in DISPLAY])
     return common, table
 

@@ -112,8 +112,10 @@ class ModelFamily:
     base_hint = ""  # what `base_key` takes, for the refusal of a LoRA without a base
     # Its matmuls are plain nn.Linear layers that torchao float8 training can convert (fp8.recipe=torchao_*).
     torchao_fp8 = False
-    # Its mixture-of-experts layers split their experts over mesh.ep (models/llama/expert_parallel.py).
+    # Its mixture-of-experts layers split their experts over mesh.ep (models/expert_parallel.py), and
+    # what gives it those experts (the support table in docs/models.md).
     expert_parallel = False
+    experts_from = ""
 
     def support(self, engine) -> Support:
         """What this family does under `engine` (an EngineCaps): its modes where the engine takes them."""
@@ -169,6 +171,13 @@ class ModelFamily:
 
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
         raise NotImplementedError
+
+    def matmuls(self, m, seq_len: int, linears: Optional[dict] = None) -> Optional[list]:
+        """The matmuls of a token's training step (core/fp8_flops.Matmul: which run in FP8, for
+        `mfu_at_precision`); None when the family cannot tell. `linears`: the built model's
+        {name: (in_features, out_features)} of its nn.Linear layers, for families that measure
+        rather than derive (models/measured.py)."""
+        return None
 
     def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> dict:
         """The memory estimate's activation lines (planner/memory.py); LLM families split off the logits."""

@@ -25,10 +25,29 @@ class MeasuredFamily(ModelFamily):
     def param_count(self, m) -> int:
         return self.probe(m)["num_params"]
 
+    def matmul_params(self, m) -> int:
+        """The weights a token multiplies (what FLOPs count); `hf` leaves out the routed experts a
+        token does not go to."""
+        return self.probe(m)["matmul_params"]
+
     def flops_per_token(self, m, seq_len: int) -> float:
-        p = self.probe(m)
-        d = p["dims"]
-        return lm_flops_per_token(p["matmul_params"], d["n_layers"], d["dim"], seq_len) if d else 6.0 * p["matmul_params"]
+        d, n = self.probe(m)["dims"], self.matmul_params(m)
+        return lm_flops_per_token(n, d["n_layers"], d["dim"], seq_len) if d else 6.0 * n
+
+    def matmuls(self, m, seq_len: int, linears=None):
+        """From the built model's nn.Linear layers (`linears`; None before the build): 6 x each one's
+        weights, scaled down where they hold more than a token multiplies (unused experts), and the
+        rest of the FLOPs (the attention core, matmuls outside nn.Linear) in high precision. Exact
+        for a dense model whose matmul weights are all nn.Linear."""
+        if linears is None:
+            return None
+        from ..core.fp8_flops import HIGH, LINEAR, Matmul
+
+        weights = sum(i * o for i, o in linears.values())
+        scale = min(1.0, self.matmul_params(m) / weights) if weights else 0.0
+        out = [Matmul(name, 6.0 * i * o * scale, LINEAR, (i, o)) for name, (i, o) in linears.items()]
+        rest = self.flops_per_token(m, seq_len) - sum(mm.flops for mm in out)
+        return out + [Matmul("", max(rest, 0.0), HIGH)]
 
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
         p = self.probe(m)

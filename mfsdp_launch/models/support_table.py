@@ -42,7 +42,7 @@ def rows() -> List[List[str]]:
             out.append([f"`{name}`", f"`{engine}`", MODE_TEXT[s.tp], MODE_TEXT[s.cp],
                         "full, selective" if s.activation_checkpointing else "no", "yes" if s.doc_mask else "no",
                         _fp8_text(s.fp8), "yes" if s.cpu_offload else "no",
-                        "experts (model.moe)" if s.expert_parallel else "no"])
+                        f"experts ({fam.experts_from})" if s.expert_parallel else "no"])
     return out
 
 

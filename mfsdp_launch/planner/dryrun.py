@@ -6,6 +6,8 @@ import sys
 from typing import List, Optional
 
 from .memory import GIB, estimate, expert_share, host_line
+from ..core.fp8_flops import fp8_share
+from ..core.mfu import dry_run_line
 from ..mesh import ParallelDims, world_size
 from ..models import family
 
@@ -58,6 +60,7 @@ def render(cfg, warnings: List[str], console=None, dims: Optional[ParallelDims] 
     fam = family(cfg.model.name)
     n_params = fam.param_count(cfg.model)
     console.print(fam.describe(cfg.model, cfg.train.seq_len))
+    console.print(mfu_line(cfg, fam), markup=False)
     mem = estimate(cfg, dims)
     mt = Table(title=f"memory per rank (estimate; {n_params / 1e6:,.1f}M parameters)", box=box.SIMPLE_HEAD)
     mt.add_column("state")
@@ -78,6 +81,12 @@ def render(cfg, warnings: List[str], console=None, dims: Optional[ParallelDims] 
         console.print("warning: " + w, style="yellow", markup=False)
     if not warnings:
         console.print("no warnings")
+
+
+def mfu_line(cfg, fam) -> str:
+    """Which peak `mfu` and `mfu_at_precision` are against, with this config's FP8 share of the FLOPs."""
+    share = fp8_share(fam.matmuls(cfg.model, cfg.train.seq_len), cfg.fp8)
+    return dry_run_line(cfg.train.peak_tflops, share)
 
 
 def _render_experts(cfg, dims: ParallelDims, console) -> None:

@@ -263,7 +263,8 @@ def _check_experts(cfg, fam, support: Support, caps: EngineCaps, dims: ParallelD
         engines = "|".join(n for n, c in ENGINES.items() if c.expert_parallel)
         why = (f"model={fam.name} has no experts to split" if not fam.expert_parallel else
                f"engine={caps.name} does not split experts over mesh.ep yet (engines/__init__.py says why)")
-        raise ConfigError("mesh.ep", f"{dims.ep}: {why}", f"1, or engine={engines} with model.moe")
+        raise ConfigError("mesh.ep", f"{dims.ep}: {why}",
+                          f"1, or engine={engines} with {fam.experts_from or 'model.moe'}")
     if cfg.sharding.zero_dp_strategy == ZeroStrategy.no_shard:
         raise ConfigError("sharding.zero_dp_strategy", f"no_shard with mesh.ep={dims.ep} is not wired: the "
                           "experts are sharded over their expert-data-parallel ranks", "optim_grads|optim_grads_params")

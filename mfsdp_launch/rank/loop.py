@@ -17,6 +17,7 @@ from .progress import RankProgress
 from .step_guard import OK, ROLLBACK, Diverged, StepGuard
 from .token_weights import distinct_targets, step_weights, target_count, weighted_mean
 from ..components.metrics import MetricsWriter, StepTimer, alloc_retries, peak_memory_gib, peak_reserved_gib
+from ..core.mfu import mfu
 
 
 @dataclass
@@ -55,7 +56,7 @@ class LoopContext:
     world_size: int
     dp_size: int
     rank: int
-    peak_tflops: Optional[float]
+    peak_tflops: Optional[float]  # the dense bf16 peak: `mfu` (core/mfu.py)
     metrics: MetricsWriter
     checkpoints: object  # CheckpointManager
     stop_requested: Callable[[int], bool]  # collective: every rank gets the same answer
@@ -68,6 +69,7 @@ class LoopContext:
     # (rank/token_weights.py); False: every micro-batch holds mbs * seq_len targets.
     masked_labels: bool = False
     token_copies: int = 1  # ranks reading the same tokens (tp): the global target count divides by it
+    precision_peak_tflops: Optional[float] = None  # the FP8-weighted peak: `mfu_at_precision` (core/mfu.py)
 
 
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
@@ -236,7 +238,6 @@ def _log_row(ctx: LoopContext, state: TrainState, loss: float, grad_norm, dt: fl
     """`loss`: the mean over ranks and the applied steps since the last row (check_step's)."""
     tokens_per_s_per_gpu = tokens_per_step / dt / ctx.world_size
     tflops = ctx.spec.flops_per_token * tokens_per_s_per_gpu / 1e12 if ctx.spec.flops_per_token else None
-    mfu = tflops / ctx.peak_tflops if (tflops is not None and ctx.peak_tflops) else None
     return {
         "step": state.step,
         "loss": loss,
@@ -245,7 +246,8 @@ def _log_row(ctx: LoopContext, state: TrainState, loss: float, grad_norm, dt: fl
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "tflops_per_gpu": tflops,
-        "mfu": mfu,
+        "mfu": mfu(tflops, ctx.peak_tflops),  # against the dense bf16 peak, FP8 runs too (the peers' figure)
+        "mfu_at_precision": mfu(tflops, ctx.precision_peak_tflops),  # against the FP8-weighted peak
         "peak_mem_gib": peak_memory_gib(ctx.device),
         "peak_reserved_gib": peak_reserved_gib(ctx.device),
         "alloc_retries": alloc_retries(ctx.device),

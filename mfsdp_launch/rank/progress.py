@@ -39,6 +39,9 @@ class RankProgress:
 
     def log(self, row: dict) -> None:
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
+        at = row.get("mfu_at_precision")
+        if row["mfu"] is not None and at != row["mfu"]:  # FP8 GEMMs: the FP8-weighted figure too
+            mfu += f" of bf16 peak, {100 * at:.1f}% at precision" if at is not None else " of bf16 peak"
         tf = f"{row['tflops_per_gpu']:.2f}" if row["tflops_per_gpu"] is not None else "n/a"
         line = (f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                 f"gnorm {row['grad_norm']:.3f}  tok/s/gpu {row['tokens_per_s_per_gpu']:,.0f}  "

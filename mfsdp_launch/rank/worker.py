@@ -132,7 +132,8 @@ def _train(cfg) -> int:
     from ..core import rundir
     from ..core.storage import local_run_dir
     from .loop import LoopContext, TrainState, train
-    from ..components.metrics import device_peak_tflops
+    from ..components.metrics import device_peaks
+    from ..core.mfu import precision_peak, start_line
     from ..components.profiling import build_profiler
     from .runtime import (build_checkpoints, build_io, build_training, dist_env, full_iteration_graph, init_runtime,
                           token_copies, val_batch_source)
@@ -148,9 +149,9 @@ def _train(cfg) -> int:
     state = TrainState()
     checkpoints.resume(tr.model, tr.optimizer, tr.scheduler, state)
     io = build_io(cfg, rt, tr, resumed=state)
-    peak, peak_source = device_peak_tflops(rt.device, cfg.train.peak_tflops)
+    peaks, share = device_peaks(rt.device, cfg.train.peak_tflops), fp8_flops_share(cfg, tr.model)
     if rt.rank == 0:
-        _print_start(cfg, rt, tr, peak, peak_source)
+        _print_start(cfg, rt, tr, start_line(peaks, share))
     # The STOP file, or SIGTERM/SIGINT/SIGHUP/SIGUSR1 sent straight to a rank (SLURM preemption):
     # every rank checkpoints and stops at the same step.
     local = local_run_dir(cfg.run)  # run.dir, or this machine's side of an object-store run.dir
@@ -166,7 +167,8 @@ def _train(cfg) -> int:
     ctx = LoopContext(
         engine=tr.engine, spec=tr.spec, optimizer=tr.optimizer, scheduler=tr.scheduler, next_batch=io.next_batch,
         forward_context=tr.forward_context, device=rt.device, world_size=rt.world_size, dp_size=rt.dims.dp_size,
-        rank=rt.rank, peak_tflops=peak, metrics=io.metrics, checkpoints=checkpoints, stop_requested=stop_requested,
+        rank=rt.rank, peak_tflops=peaks.bf16, precision_peak_tflops=precision_peak(peaks, share),
+        metrics=io.metrics, checkpoints=checkpoints, stop_requested=stop_requested,
         step_fn=full_iteration_graph(cfg, tr, io.next_batch, state.step, rt.control),
         val_batch=val_batch_source(cfg, tr.spec, rt),
         profiler=build_profiler(cfg.train, str(local), rt.rank, rt.device),
@@ -191,7 +193,7 @@ def _train(cfg) -> int:
     return 0
 
 
-def _print_start(cfg, rt, tr, peak, peak_source) -> None:
+def _print_start(cfg, rt, tr, mfu: str) -> None:
     if tr.fp8_kept:
         kept = tr.fp8_kept
         print(f"fp8.skip: {len(kept)} module(s) stay in {cfg.precision.compute_dtype}: {', '.join(kept[:4])}"
@@ -199,10 +201,24 @@ def _print_start(cfg, rt, tr, peak, peak_source) -> None:
     for line in (tr.peft_line, tr.compile_line):
         if line:
             print(line, flush=True)
-    mfu = f"MFU against {peak:.0f} TFLOP/s ({peak_source})" if peak else f"MFU null ({peak_source})"
     frozen = f" ({len(tr.frozen)} frozen tensors)" if tr.frozen else ""
     print(f"model {cfg.model.name}: {tr.spec.num_params / 1e6:,.2f}M params{frozen}; engine {tr.engine.name}; "
           f"mesh {rt.dims.shape}; device {rt.device.type}; {mfu}", flush=True)
+
+
+def fp8_flops_share(cfg, model):
+    """The FP8 GEMMs' share of a token's FLOPs (core/fp8_flops.py): from the family's matmuls, or
+    from the built model's nn.Linear layers where the family measures rather than derives them."""
+    from ..core.fp8_flops import fp8_share
+    from ..models import family
+    from ..models.lora import module_table
+
+    fam = family(cfg.model.name)
+    matmuls = fam.matmuls(cfg.model, cfg.train.seq_len)
+    if matmuls is None and str(cfg.fp8.recipe) != "none":
+        linears = {name: io for name, io in module_table(model).items() if io}
+        matmuls = fam.matmuls(cfg.model, cfg.train.seq_len, linears=linears)
+    return fp8_share(matmuls, cfg.fp8)
 
 
 def leave(exit_code: int) -> NoReturn:

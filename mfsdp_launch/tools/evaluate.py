@@ -8,11 +8,14 @@ flat .bin, a glob). Its samples are cut as the run cut its training data (its se
 data.pack, data.doc_mask and data.eos_id; `--seq-len`/`--seed` override), and sample g is the
 one a `data.val_sources=[TOKEN_SET]` validation of the run reads as its g-th: by default one pass
 over the set (every window once), or the first `--samples`. The loss is the mean next-token
-cross-entropy over all their tokens; perplexity is exp(loss). `--all` evaluates every intact
-checkpoint of the run and prints a table (`--plot FILE`: loss and perplexity over steps, with
-matplotlib). One process, on a GPU if there is one (`--device`). Each result is appended to the
-run's metrics.jsonl as a row {"step", "eval/loss", "eval/ppl", "eval/tokens", "eval/data"}, which
-`mfsdp-report` shows (`--no-record`: don't). Bad input: one line, exit 2.
+cross-entropy over all their target tokens: every token, or on a loss-masked set (chat data,
+`mfsdp-data prepare --chat`) only those its mask selects, each weighing the same across batches
+as in training's per-token loss; perplexity is exp(loss), "eval/tokens" the target count.
+`--all` evaluates every intact checkpoint of the run and prints a table (`--plot FILE`: loss and
+perplexity over steps, with matplotlib). One process, on a GPU if there is one (`--device`).
+Each result is appended to the run's metrics.jsonl as a row {"step", "eval/loss", "eval/ppl",
+"eval/tokens", "eval/data"}, which `mfsdp-report` shows (`--no-record`: don't). Bad input: one
+line, exit 2.
 """
 
 from __future__ import annotations
@@ -46,21 +49,33 @@ def eval_dataset(data: str, config: dict, *, seq_len: int, seed: int, vocab_size
 
 
 def evaluate(pm, dataset, *, samples: int, batch_size: int, doc_mask: bool) -> dict:
-    """{"loss", "ppl", "tokens", "samples"} of `pm` (a PlainModel of a run) over samples 0..samples-1."""
+    """{"loss", "ppl", "tokens", "samples"} of `pm` (a PlainModel of a run) over samples 0..samples-1.
+    The loss is per target token: each batch's mean over its targets weighs by their count, as the
+    training loop's per-token loss does (rank/token_weights.py); a loss-masked set (chat data) has
+    targets only where its mask says, read as training reads it (data/batches.py masked_batch)."""
     import torch
+
+    from ..data.batches import masked_batch
+    from ..rank.token_weights import target_count
 
     total, tokens = 0.0, 0
     with torch.inference_mode():
         for start in range(0, samples, batch_size):
             n = min(batch_size, samples - start)
-            rows = dataset.batch_numpy(start, n, with_docs=doc_mask)
-            w = torch.from_numpy(rows[0] if doc_mask else rows).to(pm.device)
-            batch = {"input_ids": w[:, :-1], "labels": w[:, 1:]}
-            if doc_mask:
-                batch["doc_ids"] = torch.from_numpy(rows[1][:, :-1]).to(pm.device)
-            loss = pm.spec.loss(pm.model, batch).float().item()
-            total += loss * batch["labels"].numel()
-            tokens += batch["labels"].numel()
+            if dataset.has_loss_mask:
+                batch = {k: v.to(pm.device) for k, v in masked_batch(dataset, start, n, doc_mask).items()}
+            else:
+                rows = dataset.batch_numpy(start, n, with_docs=doc_mask)
+                w = torch.from_numpy(rows[0] if doc_mask else rows).to(pm.device)
+                batch = {"input_ids": w[:, :-1], "labels": w[:, 1:]}
+                if doc_mask:
+                    batch["doc_ids"] = torch.from_numpy(rows[1][:, :-1]).to(pm.device)
+            targets = int(target_count(batch))
+            total += pm.spec.loss(pm.model, batch).float().item() * targets
+            tokens += targets
+    if not tokens:
+        raise ConfigError("--data", f"its loss mask selects no target token in the {samples} samples evaluated",
+                          "a token set with assistant turns, or more --samples")
     loss = total / tokens
     return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": tokens, "samples": samples}
 
@@ -120,7 +135,8 @@ def run(args) -> int:
         if dataset is None:
             dataset = eval_dataset(args.data, pm.config, seq_len=seq_len, seed=seed, vocab_size=pm.spec.vocab_size)
             samples = args.samples or sum(p.count for p in dataset.packers)  # one pass: every window once
-            header = (f"{PROG}: {args.run} on {args.data}: {samples:,} samples of {seq_len} tokens "
+            masked = " (loss-masked: its target tokens only)" if dataset.has_loss_mask else ""
+            header = (f"{PROG}: {args.run} on {args.data}{masked}: {samples:,} samples of {seq_len} tokens "
                       f"(seed {seed}), {device.type} {str(dtype).replace('torch.', '')}")
             print(header, flush=True)
             print(f"  {'step':>8}  {'loss':>9}  {'ppl':>10}  {'tokens':>12}", flush=True)

@@ -1,7 +1,8 @@
 """`mfsdp-report RUN_DIR [RUN_DIR ...] [--out DIR]`: plots and a short summary of runs.
 
 Reads each run's metrics.jsonl and draws loss, tokens/s/GPU, MFU, peak memory, the learning
-rate and the gradient norm over steps, all runs overlaid (a sweep dir expands to its job dirs);
+rate and the gradient norm over steps, all runs overlaid (a sweep dir expands to its job dirs;
+MFU is against the bf16 peak, with `mfu_at_precision` dashed where FP8 GEMMs ran, core/mfu.py);
 `mfsdp-eval`'s eval/* rows are drawn on the loss panel and named in the summary. Writes
 report.png (the six panels), one PNG per metric, and summary.txt (also printed). Labels longer
 than LABEL_MAX characters become #1, #2, ... in the plots, with a legend table under them naming
@@ -33,6 +34,10 @@ PANELS = (
 )
 LABEL_MAX = 28  # longer labels (a sweep point's overrides) are shortened in the plots
 NO_MFU = "n/a (no device peak)"
+# `mfu` is against the dense bf16 peak; `mfu_at_precision` against the FP8-weighted one (core/mfu.py),
+# drawn dashed on the MFU panel and named in the summary where it differs (FP8 GEMMs).
+AT_PRECISION = "mfu_at_precision"
+MFU_KEYS = ("mfu", AT_PRECISION)
 
 
 class ReportError(Exception):
@@ -109,7 +114,7 @@ def _series(rows: List[dict], key: str) -> Tuple[List[int], List[float]]:
         v = r.get(key)
         if isinstance(v, (int, float)):
             xs.append(r["step"])
-            ys.append(100 * v if key == "mfu" else v)
+            ys.append(100 * v if key in MFU_KEYS else v)
     return xs, ys
 
 
@@ -134,6 +139,11 @@ def _draw(ax, runs_rows, labels, key: str, ylabel: str, legend: bool) -> None:
         vx, vy = _series(rows, "val_loss") if key == "loss" else ([], [])
         if vx:  # validation rows (train.val_interval): dashed, in the run's colour
             ax.plot(vx, vy, marker="s", markersize=4, linewidth=1.4, linestyle="--", label=f"{label} val",
+                    color=ax.lines[-1].get_color() if xs else None)
+            drawn += 1
+        px, py = _series(rows, AT_PRECISION) if key == "mfu" else ([], [])
+        if px and py != _series(rows, "mfu")[1]:
+            ax.plot(px, py, marker="o", markersize=3, linewidth=1.4, linestyle="--", label=f"{label} at precision",
                     color=ax.lines[-1].get_color() if xs else None)
             drawn += 1
         ex, ey = _series(rows, rundir.EVAL_LOSS) if key == "loss" else ([], [])
@@ -222,6 +232,7 @@ def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str
         steady = rows[1:] if len(rows) > 1 else rows
         tps = _num([r["tokens_per_s_per_gpu"] for r in steady if isinstance(r.get("tokens_per_s_per_gpu"), (int, float))])
         mfu = _num([r["mfu"] for r in steady if isinstance(r.get("mfu"), (int, float))])
+        at = _num([r[AT_PRECISION] for r in steady if isinstance(r.get(AT_PRECISION), (int, float))])
         mem = max((r["peak_mem_gib"] for r in rows if isinstance(r.get("peak_mem_gib"), (int, float))), default=None)
         parts = [f"step {last['step']}"]
         if status:
@@ -238,6 +249,8 @@ def summary_text(runs: List[Path], runs_rows: List[List[dict]], labels: List[str
             parts.append(f"eval loss {e[rundir.EVAL_LOSS]:.4f} (ppl {e.get(rundir.EVAL_PPL, math.nan):.2f}) @ {e['step']}")
         parts.append(f"tokens/s/GPU {tps:,.0f}" if tps is not None else "tokens/s/GPU n/a")
         parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else f"MFU {NO_MFU}")
+        if mfu is not None and at is not None and at != mfu:
+            parts[-1] += f" (bf16 peak), {100 * at:.1f}% at precision"
         parts.append(f"peak mem {mem:.2f} GiB" if mem is not None else "peak mem n/a")
         lines.append(f"{label}: " + ", ".join(parts))
     header = f"mfsdp-report: {len(runs)} run(s)"

@@ -5,6 +5,10 @@ models/hf/model.py and models/hf_weights.py; docs/models.md has the user's view.
 
 As for `custom`, the launcher's checks and sizes come from one meta-device build in a short-lived
 process (models/probe.py). Without transformers, `model=hf` is one line naming the extra.
+
+A mixture of experts (Qwen3-MoE, Mixtral, ...: models/hf/moe.py) counts the weights a token uses
+(FLOPs, MFU, `active=` in the parameter line), and mesh.ep > 1 splits the experts of the
+architectures that models/hf/expert_parallel.py knows, through the Llama family's dispatcher.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from ...core.errors import ConfigError
 from .. import probe as P
 from ..family import ModelContext, ModelSpec, Parallel, find_module
 from .config import HFModelConfig
+from .moe import SPLITTABLE, inactive_params
+from ..llama.moe_dims import check_expert_split
 from ..measured import MeasuredFamily
 
 PROBE = "mfsdp_launch.models.hf.family:probe_hf"
@@ -32,6 +38,8 @@ class HFFamily(MeasuredFamily):
     doc_mask = True  # its attention through models/doc_attention.py: varlen on a GPU, positions per document
     base_key = "model.pretrained"
     base_hint = "true: model.path's weights"
+    expert_parallel = True  # the experts blocks of SPLITTABLE architectures (models/hf/expert_parallel.py)
+    experts_from = ", ".join(SPLITTABLE)
 
     def probe(self, m) -> dict:
         from .model import INSTALL_HINT, check_model_path
@@ -53,7 +61,17 @@ class HFFamily(MeasuredFamily):
         if ctx.cp > 1 and p["sliding_window"]:
             raise ConfigError("mesh.cp", f"{ctx.cp}: {p['hf_class']} uses sliding-window attention "
                               f"({p['sliding_window']} tokens), which context parallelism does not apply", "1")
+        if ctx.ep > 1:
+            self._check_ep(p, ctx)
         return []
+
+    def _check_ep(self, p: dict, ctx: ModelContext) -> None:
+        moe = p["moe"]
+        if moe.get("split_problem"):
+            raise ConfigError("mesh.ep", f"{ctx.ep}: {moe['split_problem']}", "1")
+        check_expert_split(ctx.ep, moe.get("experts", 0), model=f"model=hf {p['hf_class']}",
+                           source=f"{p['hf_class']}'s {moe.get('experts_key')}",
+                           dense_hint=f"an HF mixture of experts ({', '.join(SPLITTABLE)})")
 
     def _check_tp(self, p: dict, ctx: ModelContext) -> None:
         if p["tp_problem"]:
@@ -75,6 +93,14 @@ class HFFamily(MeasuredFamily):
             from .context_parallel import apply_context_parallel
 
             apply_context_parallel(model, mesh["cp"])
+        moe = self.probe(m)["moe"]
+        if moe and not moe["split_problem"]:
+            from .expert_parallel import apply_expert_parallel, mark_experts
+
+            if dims.ep > 1:
+                apply_expert_parallel(model, mesh, dims)
+            else:
+                mark_experts(model)  # Megatron-FSDP's expert parameters at ep = 1
         self.apply_activation_checkpointing(model, m)
 
     def n_heads(self, m):
@@ -87,8 +113,34 @@ class HFFamily(MeasuredFamily):
     def describe(self, m, seq_len: int) -> str:
         p = self.probe(m)
         source = f"from {m.path}" + (" (pretrained)" if m.pretrained else "") if m.path else "from model.hf_config"
-        return (f"hf {p['hf_class']} {source} ({p['unit_count']} units; vocab={p['vocab_size']}) "
+        line = (f"hf {p['hf_class']} {source} ({p['unit_count']} units; vocab={p['vocab_size']}) "
                 + super().describe(m, seq_len).split(" ", 1)[1])
+        moe = p["moe"]
+        if not moe:
+            return line
+        # A mixture of experts: what a token uses (FLOPs and MFU count these), and what mesh.ep splits.
+        return line.replace(" flops/token=", f" active={self.active_params(m):,} experts={moe['expert_params']:,} "
+                            f"(moe: {moe['experts']} experts, top_k={moe['top_k']}, in {moe['moe_layers']} of "
+                            f"{(p['dims'] or {}).get('n_layers', '?')} layers)"
+                            " flops/token=", 1)
+
+    # --- a mixture of experts (models/hf/moe.py); 0 for a dense model ---
+
+    def experts(self, m) -> int:
+        return self.probe(m)["moe"].get("experts", 0)
+
+    def expert_params(self, m) -> int:
+        return self.probe(m)["moe"].get("expert_params", 0)
+
+    def unit_expert_params(self, m) -> int:
+        return self.probe(m)["moe"].get("unit_expert_params", 0)
+
+    def active_params(self, m) -> int:
+        """Parameters one token uses: all but the routed experts it does not go to."""
+        return self.param_count(m) - inactive_params(self.probe(m)["moe"])
+
+    def matmul_params(self, m) -> int:
+        return super().matmul_params(m) - inactive_params(self.probe(m)["moe"])
 
     def _source(self, m):
         from .model import resolve_hf_model
@@ -163,6 +215,9 @@ def probe_hf(d: dict) -> dict:
 
     # what mesh.tp > 1 and mesh.cp > 1 need (HFFamily.check)
     out.update(tp_problem=tp_problem(model), tp_dims=tp_dims(model), sliding_window=sliding_window(src.config))
+    from .moe import moe_facts
+
+    out["moe"] = moe_facts(model, units)  # {} for a dense model
     summary = H.model_summary(src)
     out.update(hf_class=src.class_name, vocab_size=summary["vocab_size"], n_heads=summary["n_heads"])
     return out

@@ -6,6 +6,7 @@ from typing import List
 
 from ...core.errors import ConfigError
 from . import dims as L
+from .moe_dims import check_expert_split
 from .config import GPTModelConfig
 from ..family import ModelContext, ModelFamily, ModelSpec, Parallel, find_module
 from ..losses import loss_for
@@ -24,6 +25,7 @@ class GPTFamily(ModelFamily):
     base_hint = "a local Llama-layout Hugging Face directory"
     torchao_fp8 = True  # plain nn.Linear matmuls (components/float8.py)
     expert_parallel = True  # model.moe's experts over mesh.ep (models/llama/expert_parallel.py)
+    experts_from = "model.moe"
 
     def parallelize(self, model, m, dims, mesh) -> None:
         if dims.tp > 1:
@@ -61,14 +63,9 @@ class GPTFamily(ModelFamily):
         if variant and m.init_from:
             raise ConfigError("model.init_from", f"reads Llama-layout directories, which have no {variant}",
                               f"null, or a dense model without {variant}")
-        if d.moe is None:
-            if ctx.ep > 1:
-                raise ConfigError("mesh.ep", f"{ctx.ep} splits the experts of a mixture of experts, and "
-                                  f"model={self.name} preset={m.preset} has none", "1, or model.moe.experts=N")
-            return
-        if d.moe.experts % ctx.ep:
-            raise ConfigError("mesh.ep", f"{ctx.ep} does not divide model.moe.experts={d.moe.experts}",
-                              "a divisor of model.moe.experts that divides mesh.dp_shard*mesh.cp")
+        check_expert_split(ctx.ep, 0 if d.moe is None else d.moe.experts,
+                           model=f"model={self.name} preset={m.preset}", source="model.moe.experts",
+                           dense_hint="model.moe.experts=N")
 
     def check_tp_dims(self, d: L.GPTDims, ctx: ModelContext) -> None:
         """What tp must divide (gpt's DTensor plan and te_gpt's TE layers alike). tp dividing
@@ -159,6 +156,11 @@ class GPTFamily(ModelFamily):
 
     def flops_per_token(self, m, seq_len: int) -> float:
         return L.flops_per_token(self.dims(m), seq_len)
+
+    def matmuls(self, m, seq_len: int, linears=None):
+        from .matmuls import gpt_matmuls
+
+        return gpt_matmuls(self.dims(m), seq_len)
 
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> int:
         return sum(self.activation_parts(m, micro_batch_size, seq_len, bytes_per_el, tp=tp).values())

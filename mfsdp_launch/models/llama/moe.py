@@ -21,7 +21,8 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from functools import partial
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -114,18 +115,22 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_gate_up, mean=0.0, std=INIT_STD)
         nn.init.normal_(self.w_down, mean=0.0, std=self.out_std)
 
-    def local_weights(self):
-        w1, w2 = self.w_gate_up, self.w_down
-        if hasattr(w1, "to_local"):  # a DTensor over the ep mesh: this rank's experts
-            w1, w2 = w1.to_local(), w2.to_local()
-        if self.grad_scale != 1.0:
-            w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
-        return w1, w2
-
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [A, dim], rows grouped by local expert (`counts` [E_local] rows each) -> [A, dim]."""
-        w1, w2 = self.local_weights()
-        return run_experts(x, counts, w1, w2)
+        return run_local_experts(x, counts, self.w_gate_up, self.w_down, self.grad_scale)
+
+
+def run_local_experts(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                      grad_scale: float = 1.0) -> torch.Tensor:
+    """SwiGLU experts in Qwen3-MoE's layout (w_gate_up [E, 2 * ffn, dim], [gate; up] rows; w_down
+    [E, dim, ffn]) on rows grouped by expert; DTensor weights (over the ep mesh) give this rank's
+    experts, their gradients times `grad_scale` (models/expert_parallel.py)."""
+    w1, w2 = w_gate_up, w_down
+    if hasattr(w1, "to_local"):  # a DTensor over the ep mesh: this rank's experts
+        w1, w2 = w1.to_local(), w2.to_local()
+    if grad_scale != 1.0:
+        w1, w2 = _ScaleGrad.apply(w1, grad_scale), _ScaleGrad.apply(w2, grad_scale)
+    return run_experts(x, counts, w1, w2)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -254,19 +259,25 @@ class MoE(nn.Module):
     def route(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
               counts: torch.Tensor) -> torch.Tensor:
         """Each token through its experts, weighted and summed back ([N, dim] -> [N, dim])."""
-        k = self.cfg.top_k
-        order = torch.argsort(chosen.flatten(), stable=True)  # (token, slot) pairs grouped by expert
-        capacity = expert_capacity(flat.shape[0], self.cfg)
-        if capacity is not None:
-            order, counts = _within_capacity(order, chosen.flatten(), counts, capacity)
-        token = order // k
-        xs = flat[token]
-        if self.dispatcher is not None:
-            out = self.dispatcher.run(xs, counts, self.experts)
-        else:
-            out = self.experts(xs, counts)
-        out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(flat).index_add_(0, token, out)
+        experts = self.experts if self.dispatcher is None else partial(self.dispatcher.run, experts=self.experts)
+        return route_tokens(flat, weights, chosen, counts, experts, expert_capacity(flat.shape[0], self.cfg))
+
+
+def route_tokens(flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor,
+                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 capacity: Optional[int] = None) -> torch.Tensor:
+    """flat [N, dim], each token's top-k `weights` and `chosen` experts [N, k], `counts` [E] ->
+    [N, dim]: the (token, slot) rows sorted by expert through `experts(rows, counts)` (local, or
+    an all-to-all dispatcher's), weighted and summed back per token. `capacity`: slots per expert
+    (None: dropless)."""
+    k = chosen.shape[-1]
+    order = torch.argsort(chosen.flatten(), stable=True)  # (token, slot) pairs grouped by expert
+    if capacity is not None:
+        order, counts = _within_capacity(order, chosen.flatten(), counts, capacity)
+    token = order // k
+    out = experts(flat[token], counts)
+    out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(flat).index_add_(0, token, out)
 
 
 def _within_capacity(order: torch.Tensor, flat_chosen: torch.Tensor, counts: torch.Tensor, capacity: int):

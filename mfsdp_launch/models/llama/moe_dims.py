@@ -134,6 +134,20 @@ def check_moe(d: MoEDims, given: Dict[str, Any]) -> None:
                           "e.g. 1.25, or null (dropless)")
 
 
+def check_expert_split(ep: int, experts: int, *, model: str, source: str, dense_hint: str) -> None:
+    """mesh.ep against a model's routed experts per layer (0: a dense model), for every family:
+    `model` names it, `source` is where its expert count comes from, `dense_hint` what gives a
+    dense one experts. ep dividing dp_shard x cp is mfsdp_launch/mesh.py's rule."""
+    if ep == 1:
+        return
+    if not experts:
+        raise ConfigError("mesh.ep", f"{ep} splits the experts of a mixture of experts, and {model} has none",
+                          f"1, or {dense_hint}")
+    if experts % ep:
+        raise ConfigError("mesh.ep", f"{ep} does not divide {source}={experts}",
+                          f"a divisor of {source} that divides mesh.dp_shard*mesh.cp")
+
+
 def expert_capacity(tokens: int, d: MoEDims) -> Optional[int]:
     """Slots per expert for a micro-batch of `tokens` (None: dropless)."""
     if d.capacity_factor is None:

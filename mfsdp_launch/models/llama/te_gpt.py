@@ -73,6 +73,11 @@ class TEGPTFamily(GPTFamily):
         if m.params_dtype is None:
             m.params_dtype = compute_dtype
 
+    def matmuls(self, m, seq_len: int, linears=None):
+        from .matmuls import te_gpt_matmuls
+
+        return te_gpt_matmuls(self.dims(m), seq_len)
+
     def largest_unit_params(self, m) -> int:
         d = self.dims(m)  # the te.Linear head is a unit of its own
         head = 0 if d.tie_embeddings else d.vocab_size * d.dim

@@ -197,6 +197,15 @@ class TEToyTransformerFamily(ToyTransformerFamily):
         d = self.dims(m)
         return d.n_layers * 6 * d.dim * d.dim + d.dim * d.output_dim
 
+    def matmuls(self, m, seq_len: int, linears=None):
+        """Every matmul its FLOPs count is a TE linear (the attention core is left out of them)."""
+        from ...core.fp8_flops import TE_LAYER, Matmul
+
+        d, n = self.dims(m), 6.0 * self.positions(m)
+        parts = [(f"layers.{i}.{name}", k * d.dim * d.dim) for i in range(d.n_layers)
+                 for name, k in (("self_attention.layernorm_qkv", 3), ("self_attention.proj", 1), ("layernorm_mlp", 2))]
+        return [Matmul(name, n * w, TE_LAYER) for name, w in parts + [("fc_out", d.dim * d.output_dim)]]
+
     def largest_unit_params(self, m) -> int:  # TransformerLayer, te.Linear fc_out
         return max(self.layer_params(self.dims(m).dim), self.head_params(m))
 

@@ -73,7 +73,7 @@ def test_nothing_parsed_is_none():
 
 
 def test_dry_prints_the_interleaved_commands():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--dry", "--rounds", "2"],
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--dry", "--rounds", "2", "--world", "2"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -120,11 +120,11 @@ def test_every_launcher_entry_passes_validation():
     small = bench_small.matrix()
     assert len(small) == 24 and {e["variant"] for e in small} == {"eager", "compile", "graph"}
     for e in ours + small:
-        args = bp.launcher_overrides(e, 30, Path("/nonexistent") / e["name"], e.get("world", bp.WORLD))
+        args = bp.launcher_overrides(e, 30, Path("/nonexistent") / e["name"], bp.world_for(e, None, 2))
         keys = [a.split("=", 1)[0] for a in args]
         assert len(keys) == len(set(keys)), args  # each override once (an entry's extras too)
         cfg, _ = prepare(args, check_hardware=False)
-        assert cfg.launcher.nproc_per_node == e.get("world", bp.WORLD)
+        assert cfg.launcher.nproc_per_node == bp.world_for(e, None, 2)
         assert cfg.train.micro_batch_size == e["mbs"]
 
 

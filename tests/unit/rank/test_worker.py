@@ -76,7 +76,7 @@ def test_logged_lr_is_a_number_when_the_optimizer_keeps_it_on_device(tmp_path):
         sched.step()
     assert torch.is_tensor(opt.param_groups[0]["lr"])
     ctx = types.SimpleNamespace(world_size=1, spec=types.SimpleNamespace(flops_per_token=None), peak_tflops=None,
-                                optimizer=opt, device=torch.device("cpu"))
+                                precision_peak_tflops=None, optimizer=opt, device=torch.device("cpu"))
     with one_rank_group(tmp_path / "store"):
         row = _log_row(ctx, TrainState(step=3), 5.0, 1.0, 0.1, 4096, 0.0)  # (mean loss and norm: check_step's floats)
     writer = MetricsWriter(tmp_path, enabled=True)

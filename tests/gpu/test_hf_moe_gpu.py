@@ -1,0 +1,111 @@
+"""Hugging Face mixtures of experts (`model=hf`, models/hf/expert_parallel.py) under
+engine=megatron_fsdp on one GPU (dp_shard=1, mesh.ep=1): the experts blocks of a tiny Qwen3-MoE and
+a tiny Mixtral are Megatron-FSDP's expert parameters (allreduce=False, in expert parameter groups,
+with the expert data-parallel group; engines/megatron_experts.py), as the Llama family's
+GroupedExperts are, and a bf16 run trains; DCP saves the experts under HF's names in their global
+shape.
+
+Each case runs in its own process (`python tests/gpu/test_hf_moe_gpu.py CLASS OUT`, one rank, a
+fresh NCCL world), through the launcher's own builders (rank/runtime.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+pytestmark = pytest.mark.gpu
+
+COMMON = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+              max_position_embeddings=256, tie_word_embeddings=False)
+CLASSES = {"Qwen3MoeForCausalLM": dict(COMMON, head_dim=32, intermediate_size=256, moe_intermediate_size=128,
+                                       num_experts=8, num_experts_per_tok=2),
+           "MixtralForCausalLM": dict(COMMON, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)}
+BASE = ["model=hf", "engine=megatron_fsdp", "data=synthetic", "train.seq_len=128", "train.micro_batch_size=4",
+        "train.grad_accum_steps=1", "optim.lr=3e-3", "optim.warmup_steps=0", "precision.compute_dtype=bf16",
+        "precision.main_params_dtype=fp32", "mesh.dp_shard=1", "launcher.nproc_per_node=1"]
+
+
+def _overrides(cls: str) -> list:
+    body = ", ".join(f"{k}: {json.dumps(v)}" for k, v in CLASSES[cls].items())
+    return [*BASE, f"model.hf_class={cls}", f"model.hf_config={{{body}}}"]
+
+
+def _case(cls: str, out: str) -> None:
+    """One rank: build the HF MoE through rank/runtime.py's builders and train a few steps."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from mfsdp_launch.planner import prepare
+    from mfsdp_launch.rank.runtime import build_training, init_runtime
+
+    cfg, _ = prepare(_overrides(cls), check_hardware=False)
+    rt = init_runtime(cfg.engine, cfg.mesh)
+    tr = build_training(cfg, rt)
+    blocks = [m for m in tr.model.modules() if getattr(m, "is_expert_module", False)]
+    experts = [p for m in blocks for p in m.parameters()]
+    buffer = getattr(tr.model, "param_and_grad_buffer", None)  # Megatron-FSDP's parameter groups
+    groups = [g for g in buffer.parameter_groups if g.is_expert_param] if buffer is not None else []
+    index = getattr(tr.model, "dist_index", None)
+    expert_group = index.get_fsdp_group(is_expert_parallel=True) if index is not None else None
+    fixed = torch.randint(0, 256, (4, 129), generator=torch.Generator().manual_seed(0)).to(rt.device)
+    losses = []
+    for _ in range(8):  # one batch: the loss must fall
+        tr.engine.set_grad_sync(tr.model, True)
+        loss = tr.spec.loss(tr.forward_model, {"input_ids": fixed[:, :-1], "labels": fixed[:, 1:]})
+        loss.backward()
+        check = tr.engine.check_step(tr.model, 1.0, loss.detach())
+        tr.optimizer.step()
+        tr.optimizer.zero_grad()
+        losses.append(check.loss)
+    state = tr.engine.state_dict(tr.model, tr.optimizer)["model"]
+    shapes = {k: list(v.shape) for k, v in state.items() if ".experts." in k}
+    dcp.save({"model": state}, checkpoint_id=out + ".ckpt")
+    Path(out).write_text(json.dumps({
+        "losses": losses, "blocks": len(blocks), "n_experts": len(experts), "expert_groups": len(groups),
+        # Megatron-FSDP swaps in its own parameters (without the allreduce flag): count its groups' members
+        "in_expert_groups": sum(len(g.params) for g in groups), "expert_group": expert_group is not None,
+        "shapes": shapes}))
+
+
+def _run_case(cls: str, tmp_path) -> dict:
+    from _harness import free_port
+
+    out = tmp_path / f"{cls}.json"
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, __file__, cls, str(out)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("cls", list(CLASSES))
+def test_hf_moe_experts_are_megatron_fsdp_expert_parameters(cls, tmp_path):
+    from _harness import require_gpus
+
+    require_gpus(1)
+    pytest.importorskip("transformers")
+    got = _run_case(cls, tmp_path)
+    assert got["losses"][-1] < got["losses"][0] - 0.5, got["losses"]
+    n_moe = 2  # both layers (Qwen3-MoE's decoder_sparse_step defaults to 1)
+    assert got["blocks"] == n_moe and got["n_experts"] == 2 * n_moe and got["in_expert_groups"] == got["n_experts"]
+    assert got["expert_groups"] > 0 and got["expert_group"]
+    f = CLASSES[cls].get("moe_intermediate_size", CLASSES[cls]["intermediate_size"])
+    assert [s for k, s in got["shapes"].items() if k.endswith("model.layers.0.mlp.experts.gate_up_proj")] \
+        == [[8, 2 * f, 128]], got["shapes"]
+
+
+if __name__ == "__main__":
+    _case(sys.argv[1], sys.argv[2])
