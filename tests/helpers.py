@@ -2,8 +2,9 @@
 module, small prepared corpora, and gloo process groups (N ranks in child processes, or one in
 this process). Imported as `helpers` (pytest puts tests/, conftest.py's folder, on sys.path).
 
-A rank child runs `python -c "import helpers; helpers.rank_main(...)"`: it imports the test file
-by path, joins a gloo group over TCP and calls the named function as fn(rank, world, *args)."""
+A rank child is a fork of a server that has imported torch once (forked.py); it runs
+rank_main(): imports the test file by path, joins a gloo group over TCP and calls the named
+function as fn(rank, world, *args)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ def cli(*args: str, module: str = "mfsdp_launch", cwd=None, timeout: float = 600
     full_env = cli_env()
     if env:
         full_env.update(env)
+    if module == "mfsdp_launch":  # the launcher in a fork that has imported it (forked.py); same code path
+        import forked
+
+        return forked.run_module(module, args, cwd=cwd or ROOT, env=full_env, timeout=timeout)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -250,30 +255,27 @@ def rank_log(logs: Path, rank: int) -> Path:
     return Path(f"{logs}.rank{rank}.out")
 
 
-def spawn_ranks(fn, world: int, *args, logs: Path, env=None) -> list:
+def spawn_ranks(fn, world: int, *args, logs: Path) -> list:
     """Start `world` child processes, each calling fn(rank, world, *args) (args as strings) in one
     gloo group. fn is a module-level function of a test file; rank r's output goes to
-    rank_log(logs, r). Returns the Popen objects."""
+    rank_log(logs, r). Returns Popen-like handles (forked.Forked)."""
+    import forked
+
     port = free_port()
-    full_env = {**cli_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**cli_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     full_env["PYTHONPATH"] = f"{TESTS}{os.pathsep}{full_env['PYTHONPATH']}"
-    entry = "import sys, helpers; helpers.rank_main(sys.argv[1:])"
-    procs = []
-    for rank in range(world):
-        with open(rank_log(logs, rank), "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", entry, inspect.getfile(fn), fn.__name__, str(rank), str(world), str(port),
-                 *map(str, args)], stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT))
-    return procs
+    path, common = inspect.getfile(fn), [str(world), str(port), *map(str, args)]
+    return [forked.rank([path, fn.__name__, str(rank), *common], str(rank_log(logs, rank)), full_env, str(ROOT))
+            for rank in range(world)]
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120, logs: Path | None = None, env=None) -> list:
+def run_ranks(fn, world: int, *args, timeout: float = 120, logs: Path | None = None) -> list:
     """spawn_ranks() and wait: every rank must exit 0 within `timeout` (else all are killed and the
     test fails with their output). Returns each rank's output."""
     with contextlib.ExitStack() as stack:
         if logs is None:
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ranks"))) / fn.__name__
-        procs = spawn_ranks(fn, world, *args, logs=logs, env=env)
+        procs = spawn_ranks(fn, world, *args, logs=logs)
         deadline, timed_out = time.monotonic() + timeout, False
         try:
             for p in procs:
@@ -288,6 +290,50 @@ def run_ranks(fn, world: int, *args, timeout: float = 120, logs: Path | None = N
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"{fn.__name__} rank {rank} exit {p.returncode}:\n{out[-4000:]}"
     return outs
+
+
+def train_ranks(*overrides: str, timeout: float = 300) -> str:
+    """A training run of `overrides` as mfsdp-train's ranks run it: the launcher's checks and
+    frozen config.yaml, then launcher.nproc_per_node forked processes of `python -m
+    mfsdp_launch.rank --config ...` with the environment torchrun and the launcher give them
+    (forked.py: no torch import per rank). What the CLI adds around the ranks (torchrun, the
+    supervisor, the end-of-run line) is proven by tests/e2e. Returns rank 0's output."""
+    import forked
+    from mfsdp_launch.core.rank_env import diagnostics_env
+    from mfsdp_launch.launcher.launch import prepare_run_dir
+    from mfsdp_launch.planner import prepare
+
+    cfg, _ = prepare(list(overrides), check_hardware=False)
+    if str(cfg.data.name) == "text":  # as the launcher does before spawning
+        from mfsdp_launch.data import build_token_cache
+
+        build_token_cache(cfg.data)
+    config = prepare_run_dir(cfg, list(overrides))
+    world, logs = int(cfg.launcher.nproc_per_node), Path(cfg.run.dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**cli_env(), **diagnostics_env(Path(cfg.run.dir)), "MFSDP_LAUNCHER": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0"}
+    procs = []
+    for rank in range(world):
+        log = str(logs / f"rank{rank}.forked.log")
+        procs.append(forked.start_module("mfsdp_launch.rank", ["--config", str(config)], stdout=log, stderr=log,
+                                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = [(logs / f"rank{rank}.forked.log").read_text() for rank in range(world)]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank} exit {p.returncode}:\n{out[-4000:]}"
+    return outs[0]
 
 
 def rank_main(argv) -> None:
@@ -439,7 +485,8 @@ def train_wired(rank: int, world: int, overrides, *, grads=None, labels=None):
                       next_batch=next_batch, forward_context=tr.forward_context, device=rt.device,
                       world_size=world, dp_size=dims.dp_size, rank=rank, peak_tflops=None, metrics=io.metrics,
                       checkpoints=checkpoints, stop_requested=lambda step: False,
-                      masked_labels=io.next_batch.masked_labels, token_copies=token_copies(cfg, rt))
+                      masked_labels=bool(getattr(io.next_batch, "masked_labels", False)),
+                      token_copies=token_copies(cfg, rt))
     train(tr.forward_model, cfg.train, state, ctx)
     checkpoints.wait()
     io.metrics.close()

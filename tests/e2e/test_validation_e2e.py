@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from helpers import EOS, cli, cli_error, cli_ok, read_metrics, write_corpus
+from helpers import EOS, cli, cli_error, read_metrics, train_ranks, write_corpus
 from mfsdp_launch.data import resolve_text_files
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,8 @@ def sources(c):
 
 
 def train(run_dir, *overrides):
-    return cli_ok(*BASE, f"run.dir={run_dir}", *overrides, timeout=300)
+    """The ranks of `mfsdp-train` (helpers.train_ranks); returns rank 0's output."""
+    return train_ranks(*BASE, f"run.dir={run_dir}", *overrides)
 
 
 def test_validation_rows_and_training_unchanged(corpora, tmp_path):
@@ -53,7 +54,7 @@ def test_validation_rows_and_training_unchanged(corpora, tmp_path):
     assert [r["step"] for r in vals] == [2, 4] and all("loss" in r for r in vals)  # merged: one row per step
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in vals)
     assert vals[1]["val_loss"] < vals[0]["val_loss"]  # it learns the held-out text too
-    assert "step      4  val_loss" in out.stdout
+    assert "step      4  val_loss" in out
 
     pytest.importorskip("matplotlib")
     rep = cli(str(val), "--out", str(tmp_path / "rep"), module="mfsdp_launch.tools.report", timeout=120)

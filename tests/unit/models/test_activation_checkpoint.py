@@ -4,7 +4,7 @@ neither the module tree nor the numbers, and trains the same losses through the 
 import pytest
 import torch
 
-from helpers import cli, cli_ok, losses, model_cfg
+from helpers import cli, losses, model_cfg, train_ranks
 from mfsdp_launch.core.schema import ACMode
 from mfsdp_launch.models import build_model_spec, family
 from mfsdp_launch.models.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
@@ -80,7 +80,7 @@ def test_same_losses_under_fsdp2_on_two_ranks(tmp_path):
     runs = {}
     for mode in ("none", "full", "selective"):
         shape = ranks.get(mode, ["launcher.nproc_per_node=2", "train.micro_batch_size=2"])
-        cli_ok(*base, *shape, f"run.dir={tmp_path / mode}", f"model.activation_checkpointing={mode}", timeout=300)
+        train_ranks(*base, *shape, f"run.dir={tmp_path / mode}", f"model.activation_checkpointing={mode}")
         runs[mode] = list(losses(tmp_path / mode).values())
     assert len(runs["none"]) == 4 and len(set(runs["none"])) == 4  # the weights move
     for mode in ("full", "selective"):
