@@ -54,7 +54,9 @@ def cli(*args: str, module: str = "mfsdp_launch", cwd=None, timeout: float = 600
     full_env = cli_env()
     if env:
         full_env.update(env)
-    if module == "mfsdp_launch":  # the launcher in a fork that has imported it (forked.py); same code path
+    # The launcher in a fork that has imported it (forked.py); same code path. Not where the caller
+    # changes PYTHONPATH: the interpreter reads it (and its sitecustomize) at start-up only.
+    if module == "mfsdp_launch" and "PYTHONPATH" not in (env or {}):
         import forked
 
         return forked.run_module(module, args, cwd=cwd or ROOT, env=full_env, timeout=timeout)

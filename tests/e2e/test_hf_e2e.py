@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from helpers import cli, cli_env, cli_error, cli_ok, losses, refused, unknown_key
+from helpers import cli, cli_env, cli_error, cli_ok, losses, refused, train_ranks, unknown_key
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -99,10 +99,10 @@ def test_hf_llama_directory_trains_from_its_pretrained_weights_and_exports(tmp_p
     pretrained = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
     pretrained.save_pretrained(tmp_path / "llama")
     run = tmp_path / "run"
-    out = train(run, "model=hf", f"model.path={tmp_path / 'llama'}", "model.pretrained=true", "train.steps=2",
-                f"data.path={window}")
-    assert "model.pretrained: loaded" in out.stdout and "model hf:" in out.stdout, out.stdout
-    assert "host RSS peak per rank during the load" in out.stdout, out.stdout
+    out = train_ranks(*BASE, f"run.dir={run}", "model=hf", f"model.path={tmp_path / 'llama'}", "model.pretrained=true",
+                      "train.steps=2", f"data.path={window}")  # mfsdp-train's ranks, on 2 (the CLI: test above)
+    assert "model.pretrained: loaded" in out and "model hf:" in out, out
+    assert "host RSS peak per rank during the load" in out, out
     batch = window_batch(window)
     with torch.no_grad():
         logits = pretrained(batch["input_ids"]).logits
@@ -124,10 +124,10 @@ def test_hf_qwen2_from_a_config_dict_trains_with_meta_init(tmp_path):
     run = tmp_path / "run"
     # 1 rank: each rank imports transformers (the costliest part of a run); the Llama test above
     # is the one that loads into shards over 2 ranks.
-    out = train(run, "model=hf", "model.hf_class=Qwen2ForCausalLM",
-                f"model.hf_config={{{fields}, tie_word_embeddings: true}}", "model.init_on_meta=true",
-                "data=synthetic", "train.steps=2", "launcher.nproc_per_node=1")
-    assert "model hf:" in out.stdout
+    out = train_ranks(*BASE, f"run.dir={run}", "model=hf", "model.hf_class=Qwen2ForCausalLM",
+                      f"model.hf_config={{{fields}, tie_word_embeddings: true}}", "model.init_on_meta=true",
+                      "data=synthetic", "train.steps=2", "launcher.nproc_per_node=1")
+    assert "model hf:" in out
     got = losses(run)
     assert sorted(got) == [1, 2] and abs(got[1] - torch.log(torch.tensor(256.0)).item()) < 0.1, got
 

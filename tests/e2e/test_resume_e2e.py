@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from helpers import SMOKE, read_metrics, smoke_run, start_cli
+from helpers import SMOKE, read_metrics, smoke_run, start_cli, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,10 @@ def exported(run_dir, tmp_path, name):
 
 
 def test_resume_is_exact_and_reshards(tmp_path):
+    """B through the CLI (fresh, then resumed) equals A's one run; A's step 3 resumes at 1 rank (C).
+    A and C run as mfsdp-train's ranks (helpers.train_ranks): the CLI is B's."""
     a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
-    run(a, "train.steps=6", "checkpoint.interval=3")
+    train_ranks(*SMOKE, f"run.dir={a}", "train.steps=6", "checkpoint.interval=3")
     # A save killed mid-write left a .tmp: the fresh run ignores it (it is no checkpoint) and cleans it.
     (b / "checkpoints" / "step_999.tmp").mkdir(parents=True)
     first = run(b, "train.steps=3")
@@ -48,9 +50,9 @@ def test_resume_is_exact_and_reshards(tmp_path):
     (c / "checkpoints").mkdir(parents=True)
     shutil.copytree(a / "checkpoints" / "step_3", c / "checkpoints" / "step_3")
     # Same global batch (16 x 2 microbatches x 1 rank = 8 x 2 x 2 ranks): the same samples.
-    out = run(c, "train.steps=5", "launcher.nproc_per_node=1", "mesh.dp_outer=1", "mesh.dp_shard=1",
-              "train.micro_batch_size=16")
-    assert "resuming from step 3" in out.stdout
+    out = train_ranks(*SMOKE, f"run.dir={c}", "train.steps=5", "launcher.nproc_per_node=1", "mesh.dp_outer=1",
+                      "mesh.dp_shard=1", "train.micro_batch_size=16")
+    assert "resuming from step 3" in out
     assert [r["step"] for r in read_metrics(c)] == [4, 5]
     assert read_metrics(c)[0]["loss"] == pytest.approx(losses_a[4], rel=1e-4)
 
