@@ -58,6 +58,12 @@ def _become(stdout: str, stderr: str, env: dict, cwd: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # The interpreter puts PYTHONPATH on sys.path at start-up; the server's start-up was not ours.
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    if env.get("OMP_NUM_THREADS"):  # OpenMP read the server's environment when torch loaded
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
 def _exit_like_the_interpreter(code) -> None:
@@ -76,9 +82,6 @@ def _exit_like_the_interpreter(code) -> None:
 
 def _rank_child(argv, log: str, env: dict, cwd: str) -> None:
     _become(log, log, env, cwd)
-    import torch
-
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # the server read no OMP setting of ours
     import helpers
 
     helpers.rank_main(argv)

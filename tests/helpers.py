@@ -294,13 +294,15 @@ def run_ranks(fn, world: int, *args, timeout: float = 120, logs: Path | None = N
     return outs
 
 
-def train_ranks(*overrides: str, timeout: float = 300) -> str:
+def train_ranks(*overrides: str, timeout: float = 300, env=None) -> str:
     """A training run of `overrides` as mfsdp-train's ranks run it: the launcher's checks and
     frozen config.yaml, then launcher.nproc_per_node forked processes of `python -m
     mfsdp_launch.rank --config ...` with the environment torchrun and the launcher give them
     (forked.py: no torch import per rank). What the CLI adds around the ranks (torchrun, the
-    supervisor, the end-of-run line) is proven by tests/e2e. Returns rank 0's output."""
+    supervisor, the end-of-run line) is proven by tests/e2e. `env`: more variables for the ranks
+    (PYTHONPATH entries go on their sys.path, as at start-up). Returns rank 0's output."""
     import forked
+    from mfsdp_launch.core.hardware import cpu_count
     from mfsdp_launch.core.rank_env import diagnostics_env
     from mfsdp_launch.launcher.launch import prepare_run_dir
     from mfsdp_launch.planner import prepare
@@ -313,9 +315,11 @@ def train_ranks(*overrides: str, timeout: float = 300) -> str:
     config = prepare_run_dir(cfg, list(overrides))
     world, logs = int(cfg.launcher.nproc_per_node), Path(cfg.run.dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {**cli_env(), **diagnostics_env(Path(cfg.run.dir)), "MFSDP_LAUNCHER": "1", "OMP_NUM_THREADS": "1",
+    threads = str(max(1, cpu_count() // world))  # the launcher's share of the cores (launch.worker_env)
+    env = {**cli_env(), **diagnostics_env(Path(cfg.run.dir)), "MFSDP_LAUNCHER": "1",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
            "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0"}
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", **(env or {})}
     procs = []
     for rank in range(world):
         log = str(logs / f"rank{rank}.forked.log")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_ok, read_metrics, write_corpus
+from helpers import read_metrics, train_ranks, write_corpus
 from mfsdp_launch.tools.evaluate import main as eval_main
 from mfsdp_launch.tools.generate import main as generate_main
 
@@ -57,11 +57,11 @@ def trained(tmp_path_factory):
     train = _corpus(root / "train", train_texts, tok, tok_file)
     val = _corpus(root / "val", _stdlib("heapq.py", "colorsys.py"), tok, tok_file)
     run = root / "run"
-    cli_ok("+recipe=cpu_smoke", f"run.dir={run}", "data=tokens", f"data.sources=[{{path: '{train}'}}]",
-           f"data.val_sources=[{{path: '{val}'}}]", f"model.vocab_size={VOCAB}", f"train.steps={STEPS}",
-           "train.seq_len=64", f"train.micro_batch_size={MBS}", "train.grad_accum_steps=1",
-           f"train.val_interval={INTERVAL}", f"train.val_steps={VAL_STEPS}", f"checkpoint.interval={INTERVAL}",
-           f"launcher.nproc_per_node={DP}", "train.progress=false")
+    train_ranks("+recipe=cpu_smoke", f"run.dir={run}", "data=tokens", f"data.sources=[{{path: '{train}'}}]",
+                f"data.val_sources=[{{path: '{val}'}}]", f"model.vocab_size={VOCAB}", f"train.steps={STEPS}",
+                "train.seq_len=64", f"train.micro_batch_size={MBS}", "train.grad_accum_steps=1",
+                f"train.val_interval={INTERVAL}", f"train.val_steps={VAL_STEPS}", f"checkpoint.interval={INTERVAL}",
+                f"launcher.nproc_per_node={DP}", "train.progress=false")  # mfsdp-train's ranks (helpers.train_ranks)
     return {"run": run, "val": val, "tok": tok, "tok_file": tok_file, "root": root}
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import SMOKE, cli, cli_error, read_metrics, smoke_run
+from helpers import SMOKE, cli, cli_error, read_metrics, smoke_run, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,8 @@ def steps_in(folder):
 
 def test_start_over_and_data_changes_keep_the_earlier_run(tmp_path):
     r = tmp_path / "r"
-    run(r, "train.steps=4", "checkpoint.interval=2", "data.val_fraction=0.1")
+    # The earlier run, as mfsdp-train's ranks run it (helpers.train_ranks); what follows is the CLI's.
+    train_ranks(*SMOKE, f"run.dir={r}", "train.steps=4", "checkpoint.interval=2", "data.val_fraction=0.1")
     assert steps_in(r / "checkpoints") == [2, 4]
     rows = read_metrics(r)
     assert "val_loss" in rows[-1]
