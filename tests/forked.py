@@ -5,7 +5,8 @@ A fresh interpreter spends ~7 CPU-s importing torch, FSDP2, dynamo and DCP befor
 anything, and ~1 CPU-s importing the launcher before it reads its first override; on a 2-core CI
 machine that was most of what these tests cost. A fork of the server is a real process (its own
 gloo group, FSDP2, DCP, signals, exit code, output files) that skips only those imports.
-Training runs through the CLI still start torchrun and fresh ranks: only the launcher is forked.
+Training runs through the CLI still start torchrun and fresh ranks (only the launcher is forked);
+helpers.train_ranks forks mfsdp-train's ranks themselves where the CLI around them is not the point.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Optional
 
 # What the children import anyway; a module missing here (an optional extra) is skipped by the server.
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch._dynamo", "torch.distributed.checkpoint",
-           "torch.distributed.tensor", "transformers.modeling_utils", "mfsdp_launch.launcher.cli", "mfsdp_launch.launcher.supervise",
-           "mfsdp_launch.planner", "mfsdp_launch.rank.worker", "mfsdp_launch.rank.runtime", "mfsdp_launch.rank.loop",
+           "torch.distributed.tensor", "transformers.modeling_utils", "mfsdp_launch.launcher.cli",
+           "mfsdp_launch.launcher.supervise", "mfsdp_launch.planner", "mfsdp_launch.rank.worker", "mfsdp_launch.rank.runtime", "mfsdp_launch.rank.loop",
            "helpers", "forked"]
 
 _context = None
