@@ -78,6 +78,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_rank_script(script: str, case: str, tmp_path: Path, timeout: float = 300) -> dict:
+    """Run `python SCRIPT CASE OUT.json` as rank 0 of 1 (a process of its own: a CUDA context and a
+    process group per case) and return the JSON it wrote."""
+    out = Path(tmp_path) / f"{case}.json"
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()),
+               # keep the caller's path too: on the GPU machine megatron-fsdp and hydra live there
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, script, case, str(out)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 class Job:
     """A named set of cases to run in `world` ranks on `mesh` (None: Megatron-FSDP's own mesh)."""
 

@@ -12,8 +12,6 @@ fresh NCCL world), through the launcher's own builders (rank/runtime.py).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -79,16 +77,9 @@ def _case(cls: str, out: str) -> None:
 
 
 def _run_case(cls: str, tmp_path) -> dict:
-    from _harness import free_port
+    from _harness import one_rank_script
 
-    out = tmp_path / f"{cls}.json"
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, __file__, cls, str(out)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return one_rank_script(__file__, cls, tmp_path)
 
 
 @pytest.mark.parametrize("cls", list(CLASSES))
