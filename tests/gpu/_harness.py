@@ -78,6 +78,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def expert_groups(model):
+    """Megatron-FSDP's expert parameter groups and its expert data-parallel process group, read off
+    a sharded model (none and None under FSDP2)."""
+    buffer = getattr(model, "param_and_grad_buffer", None)
+    groups = [g for g in buffer.parameter_groups if g.is_expert_param] if buffer is not None else []
+    index = getattr(model, "dist_index", None)
+    return groups, (index.get_fsdp_group(is_expert_parallel=True) if index is not None else None)
+
+
+def fit_one_batch(tr, device, steps: int = 8, each_step=None):
+    """`steps` optimizer steps of a built Training (rank/runtime.py) on one fixed batch of 4 x 128
+    tokens below 256, so the loss must fall. Returns each step's loss and the last value of
+    each_step() (called after every optimizer step), or None."""
+    import torch
+
+    fixed = torch.randint(0, 256, (4, 129), generator=torch.Generator().manual_seed(0)).to(device)
+    losses, last = [], None
+    for _ in range(steps):
+        tr.engine.set_grad_sync(tr.model, True)
+        loss = tr.spec.loss(tr.forward_model, {"input_ids": fixed[:, :-1], "labels": fixed[:, 1:]})
+        loss.backward()
+        check = tr.engine.check_step(tr.model, 1.0, loss.detach())
+        tr.optimizer.step()
+        tr.optimizer.zero_grad()
+        if each_step is not None:
+            last = each_step()
+        losses.append(check.loss)
+    return losses, last
+
+
 def one_rank_script(script: str, case: str, tmp_path: Path, timeout: float = 300) -> dict:
     """Run `python SCRIPT CASE OUT.json` as rank 0 of 1 (a process of its own: a CUDA context and a
     process group per case) and return the JSON it wrote."""

@@ -13,12 +13,11 @@ The runs start in the background several at a time (_one_gpu.py); each test read
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 
 import _one_gpu as G
 from _harness import require_gpus
+from helpers import USER_MODULE_NAME, write_user_module
 from _one_gpu import assert_close, assert_learns, uses
 
 pytestmark = pytest.mark.gpu
@@ -35,39 +34,13 @@ LLAMA = ("model.hf_config={model_type: llama, hidden_size: 128, intermediate_siz
 HF = ["model=hf", LLAMA, *GPT[2:]]
 ENGINES = {"meg": "engine=megatron_fsdp", "fsdp2": "engine=fsdp2"}
 RECIPES = ["torchao_rowwise", "torchao_tensorwise"]
-USER_MODULE = '''
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm, self.ff = nn.LayerNorm(dim), nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        return x + self.ff(self.norm(x))
-
-
-class LM(nn.Module):
-    def __init__(self, vocab=256, dim=128, n_layers=4):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_layers))
-
-    def forward(self, input_ids):
-        x = self.emb(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-'''
-CUSTOM = ["model=custom", "model.target=every_tool_model:LM", "model.fsdp_unit_modules=[every_tool_model.Block]",
-          *GPT[2:]]
+# The README's module (helpers.USER_MODULE) at dim 128 (multiples of 16, as above), 4 blocks.
+CUSTOM = ["model=custom", f"model.target={USER_MODULE_NAME}:build", "model.kwargs={dim: 128, n_layers: 4}",
+          f"model.fsdp_unit_modules=[{USER_MODULE_NAME}.Block]", *GPT[2:]]
 
 
 def _write_module(run) -> None:
-    d = G.BASE_DIR / "every_tool_module"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "every_tool_model.py").write_text(textwrap.dedent(USER_MODULE))
+    write_user_module(G.BASE_DIR / "every_tool_module")
 
 
 MODULE_ENV = {"PYTHONPATH": str(G.BASE_DIR / "every_tool_module")}

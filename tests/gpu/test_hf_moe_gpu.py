@@ -41,8 +41,8 @@ def _overrides(cls: str) -> list:
 
 def _case(cls: str, out: str) -> None:
     """One rank: build the HF MoE through rank/runtime.py's builders and train a few steps."""
-    import torch
     import torch.distributed.checkpoint as dcp
+    from _harness import expert_groups, fit_one_batch
 
     from mfsdp_launch.planner import prepare
     from mfsdp_launch.rank.runtime import build_training, init_runtime
@@ -52,20 +52,8 @@ def _case(cls: str, out: str) -> None:
     tr = build_training(cfg, rt)
     blocks = [m for m in tr.model.modules() if getattr(m, "is_expert_module", False)]
     experts = [p for m in blocks for p in m.parameters()]
-    buffer = getattr(tr.model, "param_and_grad_buffer", None)  # Megatron-FSDP's parameter groups
-    groups = [g for g in buffer.parameter_groups if g.is_expert_param] if buffer is not None else []
-    index = getattr(tr.model, "dist_index", None)
-    expert_group = index.get_fsdp_group(is_expert_parallel=True) if index is not None else None
-    fixed = torch.randint(0, 256, (4, 129), generator=torch.Generator().manual_seed(0)).to(rt.device)
-    losses = []
-    for _ in range(8):  # one batch: the loss must fall
-        tr.engine.set_grad_sync(tr.model, True)
-        loss = tr.spec.loss(tr.forward_model, {"input_ids": fixed[:, :-1], "labels": fixed[:, 1:]})
-        loss.backward()
-        check = tr.engine.check_step(tr.model, 1.0, loss.detach())
-        tr.optimizer.step()
-        tr.optimizer.zero_grad()
-        losses.append(check.loss)
+    groups, expert_group = expert_groups(tr.model)
+    losses, _ = fit_one_batch(tr, rt.device)
     state = tr.engine.state_dict(tr.model, tr.optimizer)["model"]
     shapes = {k: list(v.shape) for k, v in state.items() if ".experts." in k}
     dcp.save({"model": state}, checkpoint_id=out + ".ckpt")

@@ -71,8 +71,8 @@ def test_grouped_gemm_equals_the_loop():
 
 def _case(case: str, out: str) -> None:
     """One rank: build the MoE through rank/runtime.py's builders and train a few steps."""
-    import torch
     import torch.distributed.checkpoint as dcp
+    from _harness import expert_groups, fit_one_batch
 
     from mfsdp_launch.models.llama import moe
     from mfsdp_launch.planner import prepare
@@ -91,26 +91,12 @@ def _case(case: str, out: str) -> None:
 
     moe._grouped = counted  # counts the grouped-GEMM calls; the kernel itself runs
     experts = [p for m in tr.model.modules() if getattr(m, "is_expert_module", False) for p in m.parameters()]
-    buffer = getattr(tr.model, "param_and_grad_buffer", None)  # Megatron-FSDP's parameter groups
-    expert_groups = sum(bool(g.is_expert_param) for g in buffer.parameter_groups) if buffer is not None else 0
-    index = getattr(tr.model, "dist_index", None)
-    expert_group = index.get_fsdp_group(is_expert_parallel=True) if index is not None else None
-    losses = []
-    gen = torch.Generator().manual_seed(0)
-    fixed = torch.randint(0, 256, (4, 129), generator=gen).to(rt.device)  # one batch: the loss must fall
-    for step in range(8):
-        tr.engine.set_grad_sync(tr.model, True)
-        loss = tr.spec.loss(tr.forward_model, {"input_ids": fixed[:, :-1], "labels": fixed[:, 1:]})
-        loss.backward()
-        check = tr.engine.check_step(tr.model, 1.0, loss.detach())
-        tr.optimizer.step()
-        tr.optimizer.zero_grad()
-        row = tr.spec.after_step(tr.model, True)
-        losses.append(check.loss)
+    groups, expert_group = expert_groups(tr.model)
+    losses, row = fit_one_batch(tr, rt.device, each_step=lambda: tr.spec.after_step(tr.model, True))
     state = tr.engine.state_dict(tr.model, tr.optimizer)["model"]
     shapes = {k: list(v.shape) for k, v in state.items() if "experts" in k}
     dcp.save({"model": state}, checkpoint_id=os.path.join(out + ".ckpt"))
-    Path(out).write_text(json.dumps({"losses": losses, "expert_groups": expert_groups, "n_experts": len(experts),
+    Path(out).write_text(json.dumps({"losses": losses, "expert_groups": len(groups), "n_experts": len(experts),
                                      "expert_group": expert_group is not None, "grouped": grouped["calls"],
                                      "shapes": shapes, "load": row["moe_load_max"]}))
 
