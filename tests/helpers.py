@@ -278,19 +278,25 @@ def run_ranks(fn, world: int, *args, timeout: float = 120, logs: Path | None = N
         if logs is None:
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ranks"))) / fn.__name__
         procs = spawn_ranks(fn, world, *args, logs=logs)
-        deadline, timed_out = time.monotonic() + timeout, False
-        try:
-            for p in procs:
-                p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for p in procs:
-                p.kill()
-                p.wait()
-        outs = [rank_log(logs, r).read_text() for r in range(world)]
-    assert not timed_out, f"{fn.__name__} timed out after {timeout} s:\n" + "\n".join(o[-2000:] for o in outs)
+        return _all_exit_0(procs, [rank_log(logs, r) for r in range(world)], timeout, fn.__name__)
+
+
+def _all_exit_0(procs, logs, timeout: float, what: str) -> list:
+    """Wait for every rank; all must exit 0 within `timeout` (else all are killed and the test fails
+    with their output). Returns each rank's output (the text of its log)."""
+    deadline, timed_out = time.monotonic() + timeout, False
+    try:
+        for p in procs:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for p in procs:
+            p.kill()
+            p.wait()
+    outs = [Path(log).read_text() for log in logs]
+    assert not timed_out, f"{what} timed out after {timeout} s:\n" + "\n".join(o[-2000:] for o in outs)
     for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"{fn.__name__} rank {rank} exit {p.returncode}:\n{out[-4000:]}"
+        assert p.returncode == 0, f"{what} rank {rank} exit {p.returncode}:\n{out[-4000:]}"
     return outs
 
 
@@ -302,9 +308,7 @@ def train_ranks(*overrides: str, timeout: float = 300, env=None) -> str:
     supervisor, the end-of-run line) is proven by tests/e2e. `env`: more variables for the ranks
     (PYTHONPATH entries go on their sys.path, as at start-up). Returns rank 0's output."""
     import forked
-    from mfsdp_launch.core.hardware import cpu_count
-    from mfsdp_launch.core.rank_env import diagnostics_env
-    from mfsdp_launch.launcher.launch import prepare_run_dir
+    from mfsdp_launch.launcher.launch import prepare_run_dir, worker_env
     from mfsdp_launch.planner import prepare
 
     cfg, _ = prepare(list(overrides), check_hardware=False)
@@ -315,31 +319,15 @@ def train_ranks(*overrides: str, timeout: float = 300, env=None) -> str:
     config = prepare_run_dir(cfg, list(overrides))
     world, logs = int(cfg.launcher.nproc_per_node), Path(cfg.run.dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    threads = str(max(1, cpu_count() // world))  # the launcher's share of the cores (launch.worker_env)
-    env = {**cli_env(), **diagnostics_env(Path(cfg.run.dir)), "MFSDP_LAUNCHER": "1",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
-           "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", **(env or {})}
-    procs = []
-    for rank in range(world):
-        log = str(logs / f"rank{rank}.forked.log")
-        procs.append(forked.start_module("mfsdp_launch.rank", ["--config", str(config)], stdout=log, stderr=log,
-                                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT))
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    outs = [(logs / f"rank{rank}.forked.log").read_text() for rank in range(world)]
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank} exit {p.returncode}:\n{out[-4000:]}"
-    return outs[0]
+    # The launcher's environment for torchrun (from the user's shell), then what torchrun adds.
+    env = {**worker_env(cfg.launcher, Path(cfg.run.dir), environ=cli_env()), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+           "GROUP_RANK": "0", **(env or {})}
+    rank_logs = [logs / f"rank{rank}.forked.log" for rank in range(world)]
+    procs = [forked.start_module("mfsdp_launch.rank", ["--config", str(config)], stdout=str(log), stderr=str(log),
+                                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT)
+             for rank, log in enumerate(rank_logs)]
+    return _all_exit_0(procs, rank_logs, timeout, "mfsdp-train's ranks")[0]
 
 
 def rank_main(argv) -> None:

@@ -166,8 +166,9 @@ def launcher_log(run_dir: Path, node_rank: int) -> Path:
     return Path(run_dir) / rundir.LOGS / name
 
 
-def worker_env(launcher_cfg, run_dir: Optional[Path] = None) -> dict:
-    env = dict(os.environ)
+def worker_env(launcher_cfg, run_dir: Optional[Path] = None, environ=None) -> dict:
+    """The environment torchrun and the ranks get: `environ` (the launcher's own when None) and ours."""
+    env = dict(os.environ if environ is None else environ)
     from ..core.hardware import cpu_count
 
     # torchrun would pin 1 thread per rank with a warning; share the cores out instead.
@@ -175,7 +176,7 @@ def worker_env(launcher_cfg, run_dir: Optional[Path] = None) -> dict:
     env["MFSDP_LAUNCHER"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["PYTHONPATH"] = package_root() + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(diagnostics_env(run_dir))
+    env.update(diagnostics_env(run_dir, environ=env))
     return env
 
 

@@ -1,8 +1,7 @@
 """Data-parallel layouts, ZeRO levels, gradient accumulation, meta init, frozen parameters and the
-seed's toys, trained through the worker's own wiring (helpers.train_wired: the planner's config,
-rank/runtime.py's builders, the real loop) in gloo rank processes with real FSDP2: every layout of
-one global batch gives the curve of one rank holding all of it. The CLI around the same loop is
-proven in tests/e2e/test_train_e2e.py."""
+seed's toys, trained as mfsdp-train's ranks (helpers.train_ranks: gloo, real FSDP2, the real loop):
+every layout of one global batch gives the curve of one rank holding all of it. The CLI around the
+same ranks is proven in tests/e2e/test_train_e2e.py."""
 
 from __future__ import annotations
 
@@ -10,13 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, read_metrics, run_ranks, train_wired
+from helpers import read_metrics, train_ranks
 
 # A tiny GPT on short sequences of a small slice of the stdlib's text (sample g is read by its
-# global index, so every layout sees the same global batch), fp32, a row every step. The token
-# cache is the one the CLI tests build (helpers.cli_env's MFSDP_CACHE_DIR).
-BASE = ["engine=fsdp2", "model=gpt", "model.preset=tiny", "data=text", "data.max_bytes=2000000",
-        f"data.cache_dir={ROOT / '.pytest_cache' / 'tokens'}", "train.seq_len=32",
+# global index, so every layout sees the same global batch), fp32, a row every step.
+BASE = ["engine=fsdp2", "model=gpt", "model.preset=tiny", "data=text", "data.max_bytes=2000000", "train.seq_len=32",
         "train.log_interval=1", "train.progress=false", "optim.warmup_steps=0", "optim.lr=1e-2",
         "checkpoint.save_final=false", "checkpoint.interval_minutes=null", "train.grad_clip=null", "train.steps=4"]
 
@@ -37,31 +34,21 @@ TOYS = ["engine=fsdp2", "data=synthetic", "train.log_interval=1", "train.progres
         "checkpoint.interval_minutes=null", "train.steps=8"]
 
 
-def _train(rank: int, world: int, run_dir: str, *overrides: str) -> None:
-    """A rank child: `overrides` (BASE unless they name a toy) in run_dir."""
+def _train(ranks: int, run_dir: Path, *overrides: str) -> None:
+    """`overrides` (BASE unless they name a toy) on `ranks` ranks in run_dir."""
     base = TOYS if any(o.startswith("model=toy") for o in overrides) else BASE
-    train_wired(rank, world, [*base, f"launcher.nproc_per_node={world}", f"run.dir={run_dir}", *overrides])
+    train_ranks(*base, f"launcher.nproc_per_node={ranks}", f"run.dir={run_dir}", *overrides)
 
 
 def _curve(run_dir: Path):
     return [r["loss"] for r in read_metrics(run_dir)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def token_cache():
-    """Built here once, as the launcher does before spawning (the ranks only open it)."""
-    from mfsdp_launch.data import build_token_cache
-    from mfsdp_launch.planner import prepare
-
-    cfg, _ = prepare([*BASE, "run.dir=unused"], check_hardware=False)
-    build_token_cache(cfg.data)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The curve every layout below must reproduce: 1 rank, all 8 samples a step."""
     run_dir = tmp_path_factory.mktemp("reference") / "one"
-    run_ranks(_train, 1, run_dir, "train.micro_batch_size=8")
+    _train(1, run_dir, "train.micro_batch_size=8")
     one = _curve(run_dir)
     assert len(one) == 4 and one[-1] < one[0]  # it learns: otherwise equality would prove little
     return one
@@ -72,14 +59,14 @@ def test_layout_gives_the_one_rank_curve(tmp_path, reference, name):
     """HSDP (dp_outer=2 x dp_shard=2), accumulation syncing at the last micro-batch or every one,
     ZeRO-2 and no sharding (ZeRO-3, the default, is the accumulation case)."""
     ranks, overrides = LAYOUTS[name]
-    run_ranks(_train, ranks, tmp_path / name, *overrides, timeout=240)
+    _train(ranks, tmp_path / name, *overrides)
     assert _curve(tmp_path / name) == pytest.approx(reference, rel=1e-4, abs=1e-5)
 
 
 def test_meta_init_and_the_seed_toys_learn(tmp_path):
     for name, overrides in (("meta", ["train.micro_batch_size=4", "model.init_on_meta=true", "train.steps=6"]),
                             ("toy_cnn", ["model=toy_cnn"]), ("toy_transformer", ["model=toy_transformer"])):
-        run_ranks(_train, 2, tmp_path / name, *overrides, timeout=240)
+        _train(2, tmp_path / name, *overrides)
         losses = _curve(tmp_path / name)
         assert losses[-1] < losses[0], (name, losses)
 
@@ -94,7 +81,7 @@ def test_frozen_parameters_do_not_move(tmp_path):
 
     run_dir = tmp_path / "frozen"
     overrides = ["train.micro_batch_size=4", "model.freeze=[tok_emb.*]", "checkpoint.save_final=true"]
-    run_ranks(_train, 2, run_dir, *overrides, timeout=240)
+    _train(2, run_dir, *overrides)
     export(run_dir, tmp_path / "w.pt", fmt="torch")
     trained = torch.load(tmp_path / "w.pt")
     cfg, _ = prepare([*BASE, *overrides, f"run.dir={run_dir}"], check_hardware=False)
