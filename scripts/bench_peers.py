@@ -168,16 +168,18 @@ def summarize(samples: List[Sample], warmup: int = WARMUP) -> Optional[dict]:
                 peak_mem_gib=max(mems) if mems else None)
 
 
-def mfu_of(tokens_per_s_per_gpu: float, peak_tflops: Optional[float]) -> Optional[float]:
-    """The launcher's FLOP convention (6N + 12·L·d·T) for the 1.4b preset, so every row compares."""
+def mfu_of(tokens_per_s_per_gpu: float, peak_tflops: Optional[float], preset: str = "1.4b",
+           n_layers: Optional[int] = None, seq: int = SEQ) -> Optional[float]:
+    """The launcher's FLOP convention (6N + 12·L·d·T, N the active parameters for a MoE) for the
+    entry's own model (the 1.4b, or the MoE slice), so a peer's row compares with ours."""
     if not peak_tflops:
         return None
     from types import SimpleNamespace
 
     from mfsdp_launch.models.llama.dims import flops_per_token, resolve_gpt_dims
 
-    dims = resolve_gpt_dims(SimpleNamespace(preset="1.4b", norm_eps=1e-5, rope_theta=10000.0))
-    return flops_per_token(dims, SEQ) * tokens_per_s_per_gpu / (peak_tflops * 1e12)
+    dims = resolve_gpt_dims(SimpleNamespace(preset=preset, n_layers=n_layers, norm_eps=1e-5, rope_theta=10000.0))
+    return flops_per_token(dims, seq) * tokens_per_s_per_gpu / (peak_tflops * 1e12)
 
 
 # --- the peers' commands ------------------------------------------------------------------------------
@@ -365,7 +367,8 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
             else:
                 row = run_peer(e, kit, logs, a.timeout)
                 if row.get("ok"):
-                    row["mfu"] = mfu_of(row["tokens_per_s_per_gpu"], peak)
+                    row["mfu"] = mfu_of(row["tokens_per_s_per_gpu"], peak, e.get("preset", "1.4b"),
+                                        e.get("n_layers"), e.get("seq", SEQ))
             row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             res["runs"][row["name"]] = row
             bench.save_results(res)

@@ -1,0 +1,126 @@
+"""Where mfsdp-generate's decode time goes on one GPU (issue 29): the gpt preset with random weights
+(no checkpoint needed), batch 1, bf16, for each Inductor setting of the compiled decode step:
+tokens/s of graph replays, then a kernel table of a few replays (torch.profiler, CUDA activity):
+the kernels' summed GPU time per token against the wall time per token, and the top kernels.
+
+    python3 scripts/profile_generate.py --preset 1.4b --max-len 1024 > profile.jsonl  # a line a setting, then all
+
+Settings (Inductor config patched while the step compiles): `shipped` is tools/generate.py as it
+is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate descent tuning, which turns every
+[1, d] x [d, n] matmul into a tuned Triton reduction fused with its neighbours (gpt-fast's setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def kernel_table(torch, call, n: int, sync) -> dict:
+    """Per call: the device kernels' summed time, their count, the wall time, and the top 15 kernels."""
+    from collections import defaultdict
+
+    with torch.inference_mode():
+        for _ in range(3):
+            call()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        sync()
+        wall = (time.perf_counter() - t0) / n
+        acts = [torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(n):
+                call()
+            sync()
+    kernels = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if not torch.cuda.is_available() or ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[ev.name]
+            k[0] += getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+            k[1] += 1
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"wall_us": round(wall * 1e6, 1), "kernel_us": round(sum(v[0] for v in kernels.values()) / n, 1),
+            "kernels": sum(v[1] for v in kernels.values()) / n,
+            "top": [{"kernel": k[:110], "us": round(v[0] / n, 2), "calls": v[1] / n} for k, v in top]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="1.4b")
+    p.add_argument("--max-len", type=int, default=1024, help="the cache length (prompt + new tokens)")
+    p.add_argument("--tokens", type=int, default=512, help="timed replays per setting")
+    p.add_argument("--profile-tokens", type=int, default=8)
+    p.add_argument("--settings", default="shipped,cdt")
+    p.add_argument("--device", default="cuda", help="cuda (cpu only checks this script)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    dev = torch.device(args.device)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    import torch._inductor.config as inductor_config
+
+    from mfsdp_launch.models.llama.dims import resolve_gpt_dims
+    from mfsdp_launch.models.llama.gpt_modules import GPT
+    from mfsdp_launch.models.llama.kv_cache import decode_step
+    from mfsdp_launch.tools.generate import compiled_decoder
+
+    settings = {"shipped": {}, "cdt": {"coordinate_descent_tuning": True}}
+    torch.manual_seed(0)
+    dims = resolve_gpt_dims(SimpleNamespace(preset=args.preset))
+    with dev:
+        model = GPT(dims, dtype=torch.bfloat16).eval()
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    out = {"preset": args.preset, "max_len": args.max_len, "weight_gb": round(weight_bytes / 1e9, 3),
+           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "rows": []}
+    for name in args.settings.split(","):
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        with inductor_config.patch(settings[name]):  # the step compiles and is captured in here
+            step, cache = compiled_decoder(model, args.max_len)
+        compile_s = time.perf_counter() - t0
+        token = torch.ones((1, 1), dtype=torch.long, device=dev)
+        pos = torch.tensor(args.max_len // 2, device=dev)
+        with torch.inference_mode():
+            for _ in range(10):
+                step(model, token, pos, cache)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.tokens):
+                logits = step(model, token, pos, cache)
+                token = logits[:, -1].argmax(-1, keepdim=True)  # as generate_gpt's greedy loop
+            sync()
+            wall = (time.perf_counter() - t0) / args.tokens
+        row = {"setting": name, "inductor": settings[name], "compile_s": round(compile_s, 1),
+               "tokens_per_s": round(1 / wall, 1), "ms_per_token": round(wall * 1e3, 4),
+               "hbm_tb_s_at_wall": round(weight_bytes / wall / 1e12, 2)}
+        # The replays' kernels (CUPTI may show a captured graph's kernels or only the graph), then the
+        # same compiled step launched without the graph (its kernels one by one).
+        row["graph"] = kernel_table(torch, lambda: step(model, token, pos, cache), args.profile_tokens, sync)
+        with inductor_config.patch(settings[name]):
+            bare = torch.compile(decode_step, fullgraph=True)
+            row["no_graph"] = kernel_table(torch, lambda: bare(model, token, pos, cache), args.profile_tokens, sync)
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)  # row by row: a call that runs out of time keeps the rows done
+        print(f"{name}: {row['tokens_per_s']} tokens/s, {row['ms_per_token']} ms/token, compile "
+              f"{row['compile_s']} s; graph kernels {row['graph']['kernel_us']} us in {row['graph']['kernels']}; "
+              f"no graph {row['no_graph']['wall_us']} us wall, kernels {row['no_graph']['kernel_us']} us in "
+              f"{row['no_graph']['kernels']}", file=sys.stderr, flush=True)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
