@@ -7,7 +7,9 @@ the kernels' summed GPU time per token against the wall time per token, and the 
 
 Settings (Inductor config patched while the step compiles): `shipped` is tools/generate.py as it
 is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate descent tuning, which turns every
-[1, d] x [d, n] matmul into a tuned Triton reduction fused with its neighbours (gpt-fast's setting).
+[1, d] x [d, n] matmul into a tuned Triton reduction fused with its neighbours (gpt-fast's setting);
+`autotune` (not in the default list: its compile takes minutes) lets Inductor time cuBLAS against
+its Triton templates for every matmul shape and keep the faster.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
     from mfsdp_launch.models.llama.kv_cache import decode_step
     from mfsdp_launch.tools.generate import compiled_decoder
 
-    settings = {"shipped": {}, "cdt": {"coordinate_descent_tuning": True}}
+    settings = {"shipped": {}, "cdt": {"coordinate_descent_tuning": True},
+                "autotune": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"}}
     torch.manual_seed(0)
     dims = resolve_gpt_dims(SimpleNamespace(preset=args.preset))
     with dev:

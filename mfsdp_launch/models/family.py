@@ -199,6 +199,12 @@ class ModelFamily:
         """Parameters of the largest FSDP unit (the most one all-gather materializes)."""
         return self.param_count(m)
 
+    def muon_matrix_params(self, m) -> int:
+        """Of the parameters, those `optim.name=muon` updates (components/muon.muon_parameters: the
+        2-D weights but embeddings, head and norms), which keep one momentum buffer instead of Adam's
+        two moments; 0 when the family cannot tell (the memory estimate then counts Adam for all)."""
+        return 0
+
     def describe(self, m, seq_len: int) -> str:
         return f"{self.name} params={self.param_count(m):,} flops/token={self.flops_per_token(m, seq_len):.3e}"
 

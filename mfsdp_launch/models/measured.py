@@ -25,6 +25,9 @@ class MeasuredFamily(ModelFamily):
     def param_count(self, m) -> int:
         return self.probe(m)["num_params"]
 
+    def muon_matrix_params(self, m) -> int:
+        return self.probe(m).get("muon_params", 0)
+
     def matmul_params(self, m) -> int:
         """The weights a token multiplies (what FLOPs count); `hf` leaves out the routed experts a
         token does not go to."""

@@ -167,12 +167,15 @@ def first_embedding_rows(model: "nn.Module") -> Optional[int]:
 
 def measure(model: "nn.Module", unit_classes: Sequence[type]) -> Dict[str, Any]:
     """Sizes and names of a (meta-device) model, as JSON types."""
+    from ..components.muon import muon_parameters
     from .custom.user_model import class_name, largest_unit_params, matmul_params, model_dims
 
     dims = model_dims(model)
+    muon_ids = muon_parameters(model)
     return {
         "num_params": sum(p.numel() for p in model.parameters()),
         "matmul_params": matmul_params(model, dims),
+        "muon_params": sum(p.numel() for p in model.parameters() if id(p) in muon_ids),
         "dims": dims,
         "largest_unit_params": largest_unit_params(model, unit_classes),
         "activations": activation_elements(model, unit_classes),

@@ -7,7 +7,8 @@ A model of the engine's buffers, not a measurement, calibrated against the peaks
 * params: the compute-dtype weights a rank holds. Megatron-FSDP keeps a compute copy beside the
   main weights (sharded under ZeRO-3); FSDP2 keeps only the main weights sharded and casts at
   all-gather, so its line is 0 unless compute and main dtypes agree.
-* main_params, grads, optimizer (Adam's two moments): divided by the ranks that shard them.
+* main_params, grads, optimizer (Adam's two moments; under optim.name=muon one momentum buffer for
+  the matrices it updates): divided by the ranks that shard them.
   FSDP2 frees gradients at `zero_grad` (set_to_none), so they are not alive at the peak unless
   gradients accumulate (train.grad_accum_steps > 1); Megatron-FSDP's gradient buffer is persistent.
 * gathered_units: two FSDP units all-gathered (one computing, one prefetched) under ZeRO-3; with
@@ -35,6 +36,7 @@ from typing import Dict, Optional
 
 from ..core.dtypes import Dtype
 from ..core.fp8 import FP8Recipe
+from ..core.schema import OptimName
 from ..core.sharding import ZeroStrategy, shard_factors
 from ..core.errors import ConfigError
 from ..engines import engine_caps
@@ -87,6 +89,11 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
         main_b = 0  # the compute weights are the main weights
     grad_b = Dtype(pc.main_grads_dtype or pc.compute_dtype or Dtype.fp32).bytes
     optim_b = 2 * Dtype(pc.main_params_dtype or Dtype.fp32).bytes
+    # optim.name=muon: one momentum buffer for the matrices it updates (LoRA's adapters are all
+    # 2-D matrices), Adam's two moments for the rest.
+    muon_n = 0
+    if OptimName(cfg.optim.name) is OptimName.muon:
+        muon_n = train_n if lora.enabled(m) else min(fam.muon_matrix_params(m), train_n)
     zero = ZeroStrategy(cfg.sharding.zero_dp_strategy)
     f = shard_factors(zero, cfg.sharding.outer_dp_sharding_strategy, dims.shard_size, dims.dp_outer)
     # With model.fsdp_unit_modules overriding a built-in family's units they are unknown here: the
@@ -102,7 +109,7 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
         params=(train_n + frozen_n) * weight_b / f["params"],
         main_params=train_n * main_b / f["main_params"],
         grads=train_n * grad_b / f["grads"],
-        optimizer=train_n * optim_b / f["optimizer"],
+        optimizer=(train_n - muon_n / 2) * optim_b / f["optimizer"],
         gathered_units=2 * unit * weight_b if f["params"] > 1 else 0.0,
         activations=parts["activations"] / cp,
         logits=parts["logits"] / cp,

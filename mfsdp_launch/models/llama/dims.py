@@ -191,6 +191,16 @@ def layer_params(d: GPTDims, i: int = 0) -> int:
     return attention_params(d) + mlp + norms
 
 
+def muon_matrix_params(d: GPTDims) -> int:
+    """The 2-D weights Muon updates (components/muon.py): qkv and output projections, the dense
+    SwiGLU, a MoE layer's router and shared expert; not the embedding, head, norms, or the routed
+    experts (3-D grouped weights, which AdamW updates)."""
+    attn = d.dim * (d.q_dim + 2 * d.kv_dim) + d.q_dim * d.dim
+    mlp = sum(d.dim * d.moe.experts + 3 * d.dim * d.moe.shared_ffn_dim if d.is_moe_layer(i) else 3 * d.dim * d.ffn_dim
+              for i in range(d.n_layers))
+    return d.n_layers * attn + mlp
+
+
 def param_count(d: GPTDims) -> int:
     """Exact; te_gpt's TransformerLayer (RMSNorm, swiglu, no bias) holds exactly gpt Block's tensors."""
     embed = d.vocab_size * d.dim

@@ -141,6 +141,9 @@ class GPTFamily(ModelFamily):
     def active_params(self, m) -> int:
         return L.active_params(self.dims(m))
 
+    def muon_matrix_params(self, m) -> int:
+        return L.muon_matrix_params(self.dims(m))
+
     def experts(self, m) -> int:
         moe = self.dims(m).moe
         return 0 if moe is None else moe.experts
