@@ -7,7 +7,10 @@
 # te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles),
 # te_parallel (te_gpt tp=2/cp=2 vs 1, tp reshard, TE activation checkpointing; after `setup.sh te`),
 # one_gpu (the one-GPU tier: every test marked gpu and not multi_gpu; its TE tests skip before
-# `setup.sh te`, so run it after that for the whole tier; ~5 minutes on one H200, measured in two parts),
+# `setup.sh te`, so run it after that for the whole tier; more than one call's 10 minutes, so give it
+# files through ONE_GPU_ARGS: session 13, without TE, took 151 s for test_one_gpu_engine +
+# test_one_gpu_features, 177 s for test_every_tool_gpu + the TE files + e2e/profile, ~150 s for
+# generate + moe + hf_moe, ~200 s for sft, ~130 s for lora),
 # generate (scripts/bench_generate.py on the 1.4b gpt, then +recipe=fsdp_bf16 as shipped for 60 steps).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
@@ -37,7 +40,9 @@ start=$(date +%s)
 # Ranks a killed test left behind would share the GPUs with the next run (and skew a benchmark).
 reap() { pkill -9 -f "mfsdp_launch|torch.distributed.run|bare_loop.py" 2>/dev/null; sleep 2; }
 # The device has no pytest-xdist: drop pyproject's `-n auto` (GPU tests run one at a time anyway).
-PYTEST="python3 -m pytest -o addopts=-ra -p no:cacheprovider -q -m gpu"
+# -v: a line per test as it ends, so a call that runs out of time still says which tests passed
+# (session 13 lost two summary lines to `timeout`).
+PYTEST="python3 -m pytest -o addopts=-ra -p no:cacheprovider -v -m gpu"
 SMOKE="test_first_updates_equal_plain_adamw or test_resume or test_fully_shard_ez or test_model_with_frozen or test_fully_shard_custom_dtype"
 case "$phase" in
   smoke)
@@ -55,7 +60,7 @@ case "$phase" in
   bench)  # BENCH: bench.py arguments, e.g. BENCH="--group ac_peak --group ac8b"
     timeout -k 10 "$budget" python3 scripts/bench.py ${BENCH:?BENCH} 2>&1 | tee -a "$log" ;;
   one_gpu)  # the one-GPU tier; ONE_GPU_ARGS adds pytest arguments (e.g. -k ..., or files)
-    timeout -k 10 "$budget" python3 -m pytest -o addopts=-ra -p no:cacheprovider -q -m "gpu and not multi_gpu" \
+    timeout -k 10 "$budget" python3 -m pytest -o addopts=-ra -p no:cacheprovider -v -m "gpu and not multi_gpu" \
       ${ONE_GPU_ARGS:-tests/gpu} 2>&1 | tee -a "$log"; reap ;;
   generate)  # scripts/bench_generate.py: mfsdp-generate on the 1.4b gpt (issue 29), then fsdp_bf16 as shipped
     timeout -k 10 "$budget" python3 scripts/bench_generate.py --run-dir /tmp/gen14 > "$OUT/generate.json" 2>>"$log"
