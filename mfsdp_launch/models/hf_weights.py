@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 from ..core.errors import ConfigError
 from .llama.hf_export import INDEX_FILE, SINGLE_FILE
@@ -33,6 +33,22 @@ from .lora import base_name
 
 if TYPE_CHECKING:
     import torch
+
+
+class Stacked(NamedTuple):
+    """Where a 3-D tensor [E, rows, ...] comes from when the files hold it as E 2-D tensors: index e
+    along dim 0 is filled from `parts[e]`, row segments along dim 1 (HF's per-expert files of a
+    fused experts weight: models/hf/moe.py)."""
+
+    parts: Tuple[Tuple[Segment, ...], ...]
+
+
+# Where one tensor's values are in the files: row segments along its dim 0, or Stacked.
+Source = Union[List[Segment], Stacked]
+
+
+def _segments(source: Source) -> Iterator[Segment]:
+    yield from (seg for part in source.parts for seg in part) if isinstance(source, Stacked) else source
 
 
 @dataclass
@@ -69,6 +85,17 @@ def reset_peak_host_memory() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def file_shapes(files: Mapping[str, Path]) -> Dict[str, Tuple[int, ...]]:
+    """{HF tensor name: shape} of every tensor in `files`, read from the file headers only."""
+    from safetensors import safe_open
+
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
 
 
 def weight_files(hf_dir: str | Path, *, key: str) -> Dict[str, Path]:
@@ -159,26 +186,50 @@ class _Files:
         return t
 
 
-def _check_shapes(name: str, shape, segments: List[Segment], files: _Files, extents: Dict[str, int], key: str):
-    for seg in segments:
-        if seg.hf_name not in files.files:
+def check_source(name: str, shape: Tuple[int, ...], source: Source, shape_of, where, key: str,
+                 extents: Optional[Mapping[str, int]] = None) -> None:
+    """ConfigError under `key` unless the files hold `source` for a tensor `name` of `shape`:
+    `shape_of(hf_name)` (None when absent) and `where(hf_name)` (its file, for the message) read the
+    files; `extents`: the rows each HF tensor must have (default: what `source` reads of it)."""
+    if isinstance(source, Stacked) and len(source.parts) != shape[0]:
+        raise ConfigError(key, f"the HF weights hold {len(source.parts)} parts of {name}, which has {shape[0]}")
+    inner = shape[1:] if isinstance(source, Stacked) else shape
+    for e, part in enumerate(source.parts if isinstance(source, Stacked) else ()):
+        rows = sum(seg.rows for seg in part)
+        if rows != inner[0] and all(shape_of(seg.hf_name) for seg in part):
+            names = " + ".join(seg.hf_name for seg in part)
+            raise ConfigError(key, f"{names} hold {rows} rows in {where(part[0].hf_name)}, {name}[{e}] needs {inner[0]}")
+    for seg in _segments(source):
+        hf_shape = shape_of(seg.hf_name)
+        if hf_shape is None:
             raise ConfigError(key, f"the HF weights have no {seg.hf_name} (needed for {name})")
-        hf_shape = files.shape(seg.hf_name)
-        want = (extents[seg.hf_name], *shape[1:]) if shape else ()
+        rows = extents[seg.hf_name] if extents else seg.hf_row + seg.rows
+        want = (rows, *inner[1:]) if inner else ()
         if hf_shape != want:
-            raise ConfigError(key, f"{seg.hf_name} has shape {list(hf_shape)} in {files.files[seg.hf_name].name}, "
-                                   f"{name} needs {list(want)}")
+            who = "the model" if seg.hf_name == name else name
+            raise ConfigError(key, f"{seg.hf_name} has shape {list(hf_shape)} in {where(seg.hf_name)}, "
+                                   f"{who} needs {list(want)}")
 
 
-def _fill(t: "torch.Tensor", segments: List[Segment], files: _Files) -> None:
-    """Copy this rank's rows of `t` from the HF segments that intersect them."""
+def _fill(t: "torch.Tensor", source: Source, files: _Files) -> None:
+    """Copy this rank's part of `t` from the HF tensors that hold it."""
     local, offsets, sizes = local_chunk(t)
     if local.numel() == 0:
         return
     if local.ndim == 0:
-        local.copy_(files.read(segments[0].hf_name, ()))
+        local.copy_(files.read(source[0].hf_name, ()))
         return
     local = local.view(sizes)
+    if isinstance(source, Stacked):  # one HF tensor group per index along dim 0
+        for i in range(sizes[0]):
+            _fill_rows(local[i], offsets[1:], sizes[1:], source.parts[offsets[0] + i], files)
+        return
+    _fill_rows(local, offsets, sizes, source, files)
+
+
+def _fill_rows(local: "torch.Tensor", offsets, sizes, segments, files: _Files) -> None:
+    """Rows offsets[0]..+sizes[0] (the rest of the dims sliced by offsets[1:]) from the row
+    segments that intersect them."""
     r0, r1 = offsets[0], offsets[0] + sizes[0]
     rest = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))
     row = 0
@@ -192,12 +243,14 @@ def _fill(t: "torch.Tensor", segments: List[Segment], files: _Files) -> None:
 
 def load_hf_weights(state: Mapping[str, "torch.Tensor"], hf_dir: str | Path, *,
                     sources: Optional[Mapping[str, List[Segment]]] = None,
+                    renamed: Optional[Mapping[str, Source]] = None,
                     key: str = "model.init_from") -> LoadReport:
     """Fill `state` ({name: tensor or DTensor}; wrapper prefixes allowed) in place from the
     safetensors in `hf_dir`, reading only each rank's rows.
 
     `sources`: {unwrapped name: row segments} (`llama_keys.sources(dims, model)`), or None when
-    the names are HF's own (`model=hf`); LoRA adapters are left out (models/lora.py: base_name). Tied entries (one storage under two names) are filled
+    the names are HF's own (`model=hf`; then `renamed` gives the sources of the names the files hold
+    in another layout: models/hf/moe.py's per-expert files); LoRA adapters are left out (models/lora.py: base_name). Tied entries (one storage under two names) are filled
     once, from whichever name the files hold; TE `_extra_state` entries are skipped. Anything
     missing or of the wrong shape is one ConfigError under `key`. Not a collective.
     """
@@ -212,7 +265,8 @@ def load_hf_weights(state: Mapping[str, "torch.Tensor"], hf_dir: str | Path, *,
     targets = {named[k]: v for k, v in state.items()
                if isinstance(v, torch.Tensor) and not is_ignored(k) and named[k] is not None}
     if sources is None:
-        sources = {k: [Segment(k, 0, v.shape[0] if v.ndim else 1)] for k, v in targets.items()}
+        renamed = {k: v for k, v in (renamed or {}).items() if k not in files_map}
+        sources = {k: renamed.get(k) or [Segment(k, 0, v.shape[0] if v.ndim else 1)] for k, v in targets.items()}
     first = _alias_groups(targets)
     report = LoadReport()
     used = set()
@@ -223,18 +277,19 @@ def load_hf_weights(state: Mapping[str, "torch.Tensor"], hf_dir: str | Path, *,
             raise ConfigError(key, f"the model and the HF mapping differ on {unmapped[0]}")
         plan = {name: sources[name] for name in targets}
         extents: Dict[str, int] = {}
-        for segments in plan.values():
-            for s in segments:
+        for source in plan.values():
+            for s in _segments(source):
                 extents[s.hf_name] = max(extents.get(s.hf_name, 0), s.hf_row + s.rows)
         groups: Dict[str, List[str]] = {}
         for name in plan:
             groups.setdefault(first[name], []).append(name)
         for names in groups.values():
-            held = [n for n in names if all(s.hf_name in files_map for s in plan[n])]
+            held = [n for n in names if all(s.hf_name in files_map for s in _segments(plan[n]))]
             name = (held or names)[0]  # a tied group is filled once, through a name the files hold
-            _check_shapes(name, tuple(targets[name].shape), plan[name], files, extents, key)
+            check_source(name, tuple(targets[name].shape), plan[name],
+                         lambda n: files.shape(n) if n in files_map else None, lambda n: files_map[n].name, key, extents)
             _fill(targets[name], plan[name], files)
-            used.update(s.hf_name for s in plan[name])
+            used.update(s.hf_name for s in _segments(plan[name]))
             report.tensors += 1
         report.bytes_read = files.bytes_read
         report.files = len(files.opened)
@@ -244,6 +299,7 @@ def load_hf_weights(state: Mapping[str, "torch.Tensor"], hf_dir: str | Path, *,
 
 def load_into_model(model, hf_dir: str | Path, *, engine=None,
                     sources: Optional[Mapping[str, List[Segment]]] = None,
+                    renamed: Optional[Mapping[str, Source]] = None,
                     key: str = "model.init_from") -> LoadReport:
     """Load HF weights into a (possibly sharded) model: through `engine.state_dict` /
     `engine.load_state_dict` when an engine is given (a collective then), else the plain
@@ -251,10 +307,10 @@ def load_into_model(model, hf_dir: str | Path, *, engine=None,
     reset_peak_host_memory()
     before = host_memory()[0]
     if engine is None:
-        report = load_hf_weights(model.state_dict(), hf_dir, sources=sources, key=key)
+        report = load_hf_weights(model.state_dict(), hf_dir, sources=sources, renamed=renamed, key=key)
     else:
         state = engine.state_dict(model, None)
-        report = load_hf_weights(state["model"], hf_dir, sources=sources, key=key)
+        report = load_hf_weights(state["model"], hf_dir, sources=sources, renamed=renamed, key=key)
         engine.load_state_dict(model, None, state)
     report.host_rss_before, report.host_rss_peak = before, max(before, host_memory()[1])
     return report

@@ -180,9 +180,12 @@ class HFFamily(MeasuredFamily):
     def load_weights(self, m, model, engine) -> None:
         if not m.pretrained:
             return
-        from ..hf_weights import announce, load_into_model
+        from ..hf_weights import announce, file_shapes, load_into_model, weight_files
+        from .moe import legacy_expert_sources
 
-        report = load_into_model(model, m.path, engine=engine, key="model.pretrained")
+        renamed = legacy_expert_sources(self.probe(m)["hf_class"],
+                                        file_shapes(weight_files(m.path, key="model.pretrained")))
+        report = load_into_model(model, m.path, engine=engine, key="model.pretrained", renamed=renamed)
         announce(report, key="model.pretrained", source=m.path)
 
 
@@ -202,7 +205,7 @@ def probe_hf(d: dict) -> dict:
     model = build_on_meta(lambda: H.build_hf_model(src))
     units = resolve_unit_classes(m.fsdp_unit_modules, model) if m.fsdp_unit_modules else H.unit_module_classes(model)
     if m.pretrained:
-        _check_weights(model, src.path)
+        _check_weights(model, src.path, src.class_name)
     out = P.measure(model, units)
     if str((m.peft or {}).get("kind", "none")) == "lora":  # model.peft.targets' names
         from ..lora import module_table
@@ -223,28 +226,26 @@ def probe_hf(d: dict) -> dict:
     return out
 
 
-def _check_weights(model, hf_dir) -> None:
-    """Every parameter (a tied group once) is in the safetensors with its shape: read from the
-    file headers only."""
-    from safetensors import safe_open
-
-    from ..hf_weights import weight_files
+def _check_weights(model, hf_dir, hf_class: str) -> None:
+    """Every parameter (a tied group once) is in the safetensors with its shape, under its own name
+    or as the per-expert tensors of a fused experts weight (models/hf/moe.py): file headers only."""
+    from ..hf_weights import check_source, file_shapes, weight_files
+    from ..llama.hf_keys import Segment
+    from .moe import legacy_expert_sources
 
     files = weight_files(hf_dir, key="model.pretrained")
-    shapes = {}
-    for path in sorted(set(files.values())):
-        with safe_open(str(path), framework="pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    shapes = file_shapes(files)
+    renamed = legacy_expert_sources(hf_class, shapes)
     groups = {}
     for name, t in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(t), []).append((name, tuple(t.shape)))
     for names in groups.values():
-        held = [n for n, _ in names if n in shapes]
+        held = [(n, shape) for n, shape in names if n in shapes or n in renamed]
         if not held:
             raise ConfigError("model.pretrained", f"{hf_dir} has no weights for {names[0][0]}")
-        if shapes[held[0]] != names[0][1]:
-            raise ConfigError("model.pretrained", f"{held[0]} has shape {list(shapes[held[0]])} in {hf_dir}, "
-                              f"the model needs {list(names[0][1])}")
+        name, shape = held[0]
+        source = [Segment(name, 0, shape[0] if shape else 1)] if name in shapes else renamed[name]
+        check_source(name, shape, source, shapes.get, lambda _: hf_dir, "model.pretrained")
 
 
 FAMILY = HFFamily()

@@ -14,12 +14,18 @@ weights `gate_up_proj` [E, 2 * f, dim] ([gate; up] rows) and `down_proj` [E, dim
 (hidden_states, top_k_index, top_k_weights) from the block's own router. Any other MoE is refused
 under mesh.ep > 1 in one line naming it; at mesh.ep = 1 it trains as HF wrote it.
 
+`model.pretrained=true`: transformers 5 builds those fused weights but saves (and the Hub holds)
+one 2-D tensor per expert and projection, as transformers 4's modules held them;
+`legacy_expert_sources` says which of them fill each fused weight (EXPERT_FILES), and
+models/hf_weights.py reads each rank's experts from them.
+
 Torch-free at import: `moe_facts` runs in the probe's process (models/probe.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
+import re
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Sequence, Tuple
 
 if TYPE_CHECKING:
     from torch import nn
@@ -30,6 +36,10 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEY = "num_experts_per_tok"
 EXPERTS_NAME = "experts"  # the block's child holding the routed experts
 WEIGHTS = ("gate_up_proj", "down_proj")  # the fused SwiGLU weights the split forward runs
+# How the files name the parts of a fused experts block: (the block's name in the files, the gate,
+# up and down projections of expert e: `<layer>.<block>.experts.<e>.<proj>.weight`).
+EXPERT_FILES = {"Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
 
 
 def _text_config(config):
@@ -114,3 +124,41 @@ def _unit_expert_params(model, unit_classes, blocks, sizes) -> int:
 def inactive_params(facts: Dict[str, Any]) -> int:
     """The routed-expert weights a token does not multiply (0 for a dense model)."""
     return int(facts.get("expert_params", 0)) - int(facts.get("active_expert_params", 0))
+
+
+def legacy_expert_sources(hf_class: str, shapes: Mapping[str, Tuple[int, ...]]) -> Dict[str, Any]:
+    """{model tensor name: hf_weights.Source} for the fused experts weights (and a router under
+    another block name) that the files (`shapes`: {HF tensor name: shape}) hold per expert; {} for
+    other architectures or files that hold the fused names. Named for both the files' block name
+    and `mlp` (transformers 5's module name), since only the model's own names are looked up."""
+    from ..hf_weights import Stacked
+    from ..llama.hf_keys import Segment
+
+    if hf_class not in EXPERT_FILES:
+        return {}
+    block, *projs = EXPERT_FILES[hf_class]
+    gate, up, down = projs
+    pattern = re.compile(rf"^(.*)\.{re.escape(block)}\.experts\.(\d+)\.({'|'.join(map(re.escape, projs))})\.weight$")
+    layers: Dict[str, Dict[int, Dict[str, str]]] = {}
+    for name in shapes:
+        hit = pattern.match(name)
+        if hit:
+            layers.setdefault(hit.group(1), {}).setdefault(int(hit.group(2)), {})[hit.group(3)] = name
+    out: Dict[str, Any] = {}
+    for layer, experts in layers.items():
+        if sorted(experts) != list(range(len(experts))) or any(len(e) != 3 for e in experts.values()):
+            continue  # not a whole block: the load names what is missing
+
+        def rows(e: int, proj: str) -> Segment:
+            name = experts[e][proj]
+            return Segment(name, 0, shapes[name][0])
+
+        order = range(len(experts))
+        fused = {"gate_up_proj": Stacked(tuple((rows(e, gate), rows(e, up)) for e in order)),
+                 "down_proj": Stacked(tuple((rows(e, down),) for e in order))}
+        router = f"{layer}.{block}.gate.weight"
+        for name in {block, "mlp"}:
+            out.update({f"{layer}.{name}.experts.{w}": src for w, src in fused.items()})
+            if router in shapes:
+                out[f"{layer}.{name}.gate.weight"] = [Segment(router, 0, shapes[router][0])]
+    return out
