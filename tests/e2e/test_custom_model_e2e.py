@@ -1,9 +1,11 @@
-"""`model=custom` through the CLI: a user's module written to a temporary directory on PYTHONPATH
-trains under FSDP2 on 2 gloo processes with meta-device init and a freeze glob, checkpoints,
-resumes exactly, reshards to 1 process, and exports; bad input is one line, exit 2."""
+"""`model=custom`: a user's module written to a temporary directory on PYTHONPATH trains (as
+mfsdp-train's ranks run it; its resume through the CLI) under FSDP2 on 2 gloo processes with
+meta-device init and a freeze glob, checkpoints, resumes exactly, reshards to 1 process, and
+exports; bad input is one line, exit 2."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import sys
 import pytest
 
 from helpers import USER_MODULE_NAME as MODULE_NAME
-from helpers import ROOT, cli, cli_env, cli_ok, read_metrics, refused, unknown_key, write_user_module
+from helpers import ROOT, cli, cli_env, cli_ok, read_metrics, refused, train_ranks, unknown_key, write_user_module
 
 torch = pytest.importorskip("torch")
 
@@ -30,6 +32,13 @@ def train(env, run_dir, *overrides):
     return cli_ok(*RUN, f"run.dir={run_dir}", *overrides, env=env, timeout=300)
 
 
+def train_as_ranks(env, run_dir, *overrides, monkeypatch):
+    """mfsdp-train's ranks (helpers.train_ranks), the user's module importable here too (the
+    launcher's checks build the model in this process); returns rank 0's output."""
+    monkeypatch.syspath_prepend(env["PYTHONPATH"].split(os.pathsep)[0])
+    return train_ranks(*RUN, f"run.dir={run_dir}", *overrides, env=env)
+
+
 def weights(ckpt):
     from mfsdp_launch.checkpoint.weights import read_model_state
 
@@ -37,11 +46,12 @@ def weights(ckpt):
 
 
 @pytest.mark.slow
-def test_custom_model_trains_resumes_exactly_reshards_and_freezes(tmp_path, user_env):
+def test_custom_model_trains_resumes_exactly_reshards_and_freezes(tmp_path, user_env, monkeypatch):
+    """A and C run as mfsdp-train's ranks (helpers.train_ranks); B, the resume, through the CLI."""
     a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
     meta = ["model.init_on_meta=true", "model.freeze=[emb.*]"]
-    out = train(user_env, a, "train.steps=4", "checkpoint.interval=2", *meta)
-    assert "model custom:" in out.stdout and "(1 frozen tensors)" in out.stdout, out.stdout
+    out = train_as_ranks(user_env, a, "train.steps=4", "checkpoint.interval=2", *meta, monkeypatch=monkeypatch)
+    assert "model custom:" in out and "(1 frozen tensors)" in out, out
     losses_a = {r["step"]: r["loss"] for r in read_metrics(a)}
     assert sorted(losses_a) == [1, 2, 3, 4] and losses_a[4] < losses_a[1]
 
@@ -58,8 +68,8 @@ def test_custom_model_trains_resumes_exactly_reshards_and_freezes(tmp_path, user
     assert not torch.equal(w2["head.weight"], w4["head.weight"])
 
     # C continues A's step 2 on 1 process (DCP reshards), with the same global batch.
-    train(user_env, c, "train.steps=3", "launcher.nproc_per_node=1", "mesh.dp_shard=1",
-          "train.micro_batch_size=16", *meta)
+    train_as_ranks(user_env, c, "train.steps=3", "launcher.nproc_per_node=1", "mesh.dp_shard=1",
+                   "train.micro_batch_size=16", *meta, monkeypatch=monkeypatch)
     assert [r["step"] for r in read_metrics(c)] == [3]
     assert read_metrics(c)[0]["loss"] == pytest.approx(losses_a[3], rel=1e-4)
 

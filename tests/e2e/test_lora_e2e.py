@@ -1,4 +1,5 @@
-"""LoRA through the CLI (one run: `gpt` over a Hugging Face Llama base, FSDP2 on 2 gloo ranks),
+"""LoRA in one run as mfsdp-train's ranks run it (helpers.train_ranks: `gpt` over a Hugging Face
+Llama base, FSDP2 on 2 gloo ranks),
 then in this process: its checkpoints hold the adapters only (< 2 % of the base's bytes) and
 the base's checksum; `mfsdp-export --format peft` loads with `peft.PeftModel.from_pretrained`,
 `--format hf --merge` gives the logits of peft's own merged model and of the trained model;
@@ -14,7 +15,7 @@ import json
 
 import pytest
 
-from helpers import SMOKE, cli_ok, one_rank_group, write_llama_dir
+from helpers import SMOKE, one_rank_group, train_ranks, write_llama_dir
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -44,8 +45,8 @@ def test_gpt_lora_saves_adapters_only_and_exports_to_peft_and_merged_hf(tmp_path
     from mfsdp_launch.tools.export import export
 
     base, run = write_llama_dir(tmp_path / "base", **DIMS), tmp_path / "run"
-    out = cli_ok(*RUN, f"model.init_from={base}", f"run.dir={run}", timeout=300)
-    assert "model.peft: LoRA r=2 alpha=4 on 8 layers" in out.stdout
+    out = train_ranks(*RUN, f"model.init_from={base}", f"run.dir={run}")  # mfsdp-train's ranks
+    assert "model.peft: LoRA r=2 alpha=4 on 8 layers" in out
     step2, step4 = run / "checkpoints" / "step_2", run / "checkpoints" / "step_4"
 
     # The checkpoint: adapters only, a small fraction of the model, and the base's reference.

@@ -1,4 +1,5 @@
-"""A mixture of experts through the CLI on 2 CPU processes: `+recipe=cpu_smoke model.moe.experts=4
+"""A mixture of experts as mfsdp-train's 2 CPU ranks run it (helpers.train_ranks; what the CLI
+adds around the ranks is the other e2e files'): `+recipe=cpu_smoke model.moe.experts=4
 model.moe.top_k=2 mesh.ep=2` trains (loss falling, expert load and aux loss in metrics), its
 checkpoint at ep=2 resumes at ep=1 on the same curve (so 2 ranks at ep=2 compute what ep=1 does),
 and `mfsdp-export --format hf` writes the run as a Mixtral directory (its logits against
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from helpers import losses, smoke_run, train_rows
+from helpers import SMOKE, losses, train_ranks, train_rows
 
 MOE = ["model.moe.experts=4", "model.moe.top_k=2"]
 STEPS = 6
@@ -16,15 +17,15 @@ STEPS = 6
 
 def test_moe_ep2_trains_resumes_at_ep1_and_exports(tmp_path):
     first = tmp_path / "ep2"
-    smoke_run(first, *MOE, "mesh.ep=2", f"train.steps={STEPS}", "checkpoint.interval=3")
+    train_ranks(*SMOKE, f"run.dir={first}", *MOE, "mesh.ep=2", f"train.steps={STEPS}", "checkpoint.interval=3")
     rows = train_rows(first)
     ep2 = losses(first)
     assert sorted(ep2) == list(range(1, STEPS + 1)) and ep2[STEPS] < ep2[1]
     assert len(rows[STEPS]["moe_load_max"]) == 2 and rows[STEPS]["moe_aux_loss"] > 0.9
 
     second = tmp_path / "ep1"
-    smoke_run(second, *MOE, "mesh.ep=1", f"train.steps={STEPS}",
-              f"checkpoint.load_path={first / 'checkpoints' / 'step_3'}")
+    train_ranks(*SMOKE, f"run.dir={second}", *MOE, "mesh.ep=1", f"train.steps={STEPS}",
+                f"checkpoint.load_path={first / 'checkpoints' / 'step_3'}")
     ep1, resumed = losses(second), train_rows(second)
     assert sorted(ep1) == list(range(4, STEPS + 1))
     assert max(abs(ep1[s] - ep2[s]) / abs(ep2[s]) for s in ep1) < 1e-5

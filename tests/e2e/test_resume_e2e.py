@@ -25,14 +25,14 @@ def exported(run_dir, tmp_path, name):
 
 
 def test_resume_is_exact_and_reshards(tmp_path):
-    """B through the CLI (fresh, then resumed) equals A's one run; A's step 3 resumes at 1 rank (C).
-    A and C run as mfsdp-train's ranks (helpers.train_ranks): the CLI is B's."""
+    """B (fresh, then resumed) equals A's one run; A's step 3 resumes at 1 rank (C). A, C and B's
+    fresh start run as mfsdp-train's ranks (helpers.train_ranks): the CLI is B's resume."""
     a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
     train_ranks(*SMOKE, f"run.dir={a}", "train.steps=6", "checkpoint.interval=3")
     # A save killed mid-write left a .tmp: the fresh run ignores it (it is no checkpoint) and cleans it.
     (b / "checkpoints" / "step_999.tmp").mkdir(parents=True)
-    first = run(b, "train.steps=3")
-    assert "starting fresh" in first.stdout
+    first = train_ranks(*SMOKE, f"run.dir={b}", "train.steps=3")
+    assert "starting fresh" in first
     assert not (b / "checkpoints" / "step_999.tmp").exists()
     assert (b / "checkpoints" / "step_3" / "manifest.json").is_file()
     second = run(b, "train.steps=6")
@@ -84,5 +84,6 @@ def test_sigterm_to_the_launcher_saves_exits_interrupted_then_resumes(tmp_path):
     last = err.strip().splitlines()[-1]  # the summary names the step, the signal, the checkpoint, the code
     assert last.startswith(f"mfsdp-train: interrupted at step {stopped}/100000") and "(SIGTERM)" in last, err
     assert f"last checkpoint step_{stopped}" in last and "exit code 3" in last
-    again = run(run_dir, f"train.steps={stopped + 2}")
-    assert f"resuming from step {stopped}" in again.stdout
+    # The resume, as mfsdp-train's ranks run it (helpers.train_ranks): the CLI's part was the stop.
+    again = train_ranks(*SMOKE, f"run.dir={run_dir}", f"train.steps={stopped + 2}")
+    assert f"resuming from step {stopped}" in again
