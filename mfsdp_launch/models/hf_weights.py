@@ -198,7 +198,8 @@ def check_source(name: str, shape: Tuple[int, ...], source: Source, shape_of, wh
         rows = sum(seg.rows for seg in part)
         if rows != inner[0] and all(shape_of(seg.hf_name) for seg in part):
             names = " + ".join(seg.hf_name for seg in part)
-            raise ConfigError(key, f"{names} hold {rows} rows in {where(part[0].hf_name)}, {name}[{e}] needs {inner[0]}")
+            raise ConfigError(key, f"{names} hold {rows} rows in {where(part[0].hf_name)}, "
+                                   f"{name}[{e}] needs {inner[0]}")
     for seg in _segments(source):
         hf_shape = shape_of(seg.hf_name)
         if hf_shape is None:
@@ -249,10 +250,11 @@ def load_hf_weights(state: Mapping[str, "torch.Tensor"], hf_dir: str | Path, *,
     safetensors in `hf_dir`, reading only each rank's rows.
 
     `sources`: {unwrapped name: row segments} (`llama_keys.sources(dims, model)`), or None when
-    the names are HF's own (`model=hf`; then `renamed` gives the sources of the names the files hold
-    in another layout: models/hf/moe.py's per-expert files); LoRA adapters are left out (models/lora.py: base_name). Tied entries (one storage under two names) are filled
-    once, from whichever name the files hold; TE `_extra_state` entries are skipped. Anything
-    missing or of the wrong shape is one ConfigError under `key`. Not a collective.
+    the names are HF's own (`model=hf`; then `renamed` gives the sources of the names the files
+    hold in another layout: models/hf/moe.py's per-expert files); LoRA adapters are left out
+    (models/lora.py: base_name). Tied entries (one storage under two names) are filled once, from
+    whichever name the files hold; TE `_extra_state` entries are skipped. Anything missing or of
+    the wrong shape is one ConfigError under `key`. Not a collective.
     """
     import torch
 

@@ -138,7 +138,8 @@ def legacy_expert_sources(hf_class: str, shapes: Mapping[str, Tuple[int, ...]]) 
         return {}
     block, *projs = EXPERT_FILES[hf_class]
     gate, up, down = projs
-    pattern = re.compile(rf"^(.*)\.{re.escape(block)}\.experts\.(\d+)\.({'|'.join(map(re.escape, projs))})\.weight$")
+    names = "|".join(map(re.escape, projs))
+    pattern = re.compile(rf"^(.*)\.{re.escape(block)}\.experts\.(\d+)\.({names})\.weight$")
     layers: Dict[str, Dict[int, Dict[str, str]]] = {}
     for name in shapes:
         hit = pattern.match(name)

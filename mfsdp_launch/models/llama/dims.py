@@ -196,8 +196,8 @@ def muon_matrix_params(d: GPTDims) -> int:
     SwiGLU, a MoE layer's router and shared expert; not the embedding, head, norms, or the routed
     experts (3-D grouped weights, which AdamW updates)."""
     attn = d.dim * (d.q_dim + 2 * d.kv_dim) + d.q_dim * d.dim
-    mlp = sum(d.dim * d.moe.experts + 3 * d.dim * d.moe.shared_ffn_dim if d.is_moe_layer(i) else 3 * d.dim * d.ffn_dim
-              for i in range(d.n_layers))
+    moe_mlp = d.dim * d.moe.experts + 3 * d.dim * d.moe.shared_ffn_dim if d.moe is not None else 0
+    mlp = sum(moe_mlp if d.is_moe_layer(i) else 3 * d.dim * d.ffn_dim for i in range(d.n_layers))
     return d.n_layers * attn + mlp
 
 
