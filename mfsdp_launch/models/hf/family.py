@@ -155,18 +155,24 @@ class HFFamily(MeasuredFamily):
         from ..family import resolve_unit_modules
 
         p, src, dtype = self.probe(m), self._source(m), torch_dtype(m.params_dtype)
+        loss, moe = hf_loss, {}
+        if p.get("moe"):  # routed experts: the balancing loss and the expert loads (router_loss.py)
+            from .router_loss import after_step, attach, with_router_loss
+
+            loss = with_router_loss(hf_loss, p["moe"].get("router_aux_loss_coef", 0.0))
+            moe = {"after_step": after_step}
 
         def build():
             model = H.build_hf_model(src, dtype)
             if any(t.is_meta for t in model.parameters()):
                 H.support_module_init(model)
-            return model
+            return attach(model) if moe else model
 
         return ModelSpec(name=self.name, build=build, unit_modules=resolve_unit_modules(p["unit_classes"]),
-                         loss=hf_loss, init_weights=lambda model: H.init_hf_weights(find_module(model, src.cls)),
+                         loss=loss, init_weights=lambda model: H.init_hf_weights(find_module(model, src.cls)),
                          uses_tokens=True, synthetic_batch=None, tokens_per_sample=seq_len,
                          num_params=p["num_params"], flops_per_token=self.flops_per_token(m, seq_len),
-                         vocab_size=p["vocab_size"])
+                         vocab_size=p["vocab_size"], **moe)
 
     def base_dir(self, m):
         return m.path if m.pretrained else None

@@ -94,17 +94,22 @@ def moe_facts(model: "nn.Module", unit_classes: Sequence[type] = ()) -> Dict[str
     """What the family counts of a (meta-device) HF MoE, as JSON types; {} for a dense model.
     experts, top_k: per MoE layer; expert_params: every block's routed weights; active_expert_params:
     the top_k / E of them a token uses; unit_expert_params: the routed weights of the largest FSDP
-    unit (0 when the largest is the root); split_problem: models/hf/moe.py's `split_problem`."""
+    unit (0 when the largest is the root); split_problem: models/hf/moe.py's `split_problem`;
+    router_aux_loss_coef: the balancing loss's weight where the config asks transformers to add it
+    (`output_router_logits`), else 0 (models/hf/router_loss.py)."""
     blocks = experts_blocks(model)
     if not blocks:
         return {}
     key, experts, top_k = routing(model.config)
+    text = _text_config(model.config)
+    asked = bool(getattr(text, "output_router_logits", False))
+    coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if asked else 0.0
     sizes = {id(b): sum(p.numel() for p in b.parameters()) for b in blocks}
     total = sum(sizes.values())
     return {"experts_key": key, "experts": experts, "top_k": top_k, "moe_layers": len(blocks),
             "expert_params": total, "active_expert_params": total * top_k // experts,
             "unit_expert_params": _unit_expert_params(model, unit_classes, blocks, sizes),
-            "split_problem": split_problem(model)}
+            "split_problem": split_problem(model), "router_aux_loss_coef": coef}
 
 
 def _unit_expert_params(model, unit_classes, blocks, sizes) -> int:

@@ -128,6 +128,10 @@ def test_ep2_trains_as_ep1_on_two_ranks(tmp_path):
             one, two = [r[key] for r in rows[1]], [r[key] for r in rows[2]]
             assert len(one) == len(two) and max(abs(a - b) / abs(a) for a, b in zip(one, two)) < 1e-5, (cls, key, one, two)
         n_moe = 1 if cls.startswith("Qwen3") else 2
+        # models/hf/router_loss.py: the global expert loads per MoE layer (the same routing at any ep)
+        for one, two in zip(rows[1], rows[2]):
+            assert len(two["moe_load_max"]) == n_moe and two["moe_load_max"] == pytest.approx(one["moe_load_max"])
+            assert two["moe_aux_loss"] == pytest.approx(one["moe_aux_loss"], rel=1e-5) and two["moe_aux_loss"] > 0.5
         f = fields.get("moe_intermediate_size", fields["intermediate_size"])
         for shapes in ranks:
             one, two = shapes[f"{cls}-ep1"], shapes[f"{cls}-ep2"]

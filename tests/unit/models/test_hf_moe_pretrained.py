@@ -107,3 +107,32 @@ def test_two_ranks_at_ep2_each_read_their_experts(tmp_path):
     assert sorted(loaded) == sorted(n for n, _ in saved.named_parameters())
     for name, t in loaded.items():
         assert torch.equal(t, want[name]), name
+
+
+@pytest.mark.parametrize("cls", list(CLASSES))
+def test_the_balancing_loss_is_transformers_own(cls):
+    """With `output_router_logits` the loss gains transformers' balancing loss's gradient (its
+    value stays the cross-entropy), and the metric is that loss over top_k."""
+    from mfsdp_launch.models.hf.router_loss import after_step, attach, with_router_loss
+
+    coef = 0.05
+    torch.manual_seed(0)
+    config = getattr(transformers, cls).config_class(**CLASSES[cls], output_router_logits=True,
+                                                     router_aux_loss_coef=coef)
+    model = attach(getattr(transformers, cls)(config)).train()
+    ids = torch.randint(0, 96, (2, 16))
+    out = {}
+
+    def base(m, batch):
+        out["hf"] = m(input_ids=batch["input_ids"])
+        return out["hf"].logits.float().mean()
+
+    loss = with_router_loss(base, coef)(model, {"input_ids": ids})
+    assert loss.item() == pytest.approx(out["hf"].logits.float().mean().item(), abs=1e-7)  # value unchanged
+    router = next(m for n, m in model.named_modules() if n.endswith(".gate"))
+    ours = torch.autograd.grad(loss - out["hf"].logits.float().mean(), router.weight, retain_graph=True)[0]
+    theirs = torch.autograd.grad(coef * out["hf"].aux_loss, router.weight)[0]
+    assert ours.abs().max() > 0 and torch.allclose(ours, theirs, rtol=1e-5, atol=1e-8)
+    metrics = after_step(model, True)
+    assert metrics["moe_aux_loss"] == pytest.approx(out["hf"].aux_loss.item() / config.num_experts_per_tok, rel=1e-5)
+    assert len(metrics["moe_load_max"]) == len(model.model.layers) - (cls.startswith("Qwen3"))
