@@ -74,7 +74,8 @@ def with_router_loss(base: Callable, coef: float) -> Callable:
         tokens = sum(p[1] for p in pending) / n  # tokens_per_expert [top_k, E]
         aux = prob.shape[0] * (tokens * prob.unsqueeze(0)).sum()
         layer_loads = [p[1].sum(0) for p in pending]
-        stats = model.__dict__.setdefault("_mfsdp_router_stats", {"aux": [], "loads": []})
+        # On the first router, a submodule whatever wraps the model (compile, FSDP, peft).
+        stats = routers(model)[0].__dict__.setdefault("_mfsdp_router_stats", {"aux": [], "loads": []})
         stats["aux"].append(aux.detach() / tokens.shape[0])  # / top_k: 1.0 is balanced, as for gpt's MoE
         stats["loads"].append(torch.stack(layer_loads))
         return out + (coef * (aux - aux.detach())).to(out.dtype) if coef else out
@@ -84,10 +85,10 @@ def with_router_loss(base: Callable, coef: float) -> Callable:
 
 def after_step(model: torch.nn.Module, applied: bool) -> Dict[str, object]:
     """The step's balancing loss and global expert loads; clears them. Collective."""
-    stats = model.__dict__.pop("_mfsdp_router_stats", None)
     n_layers = len(routers(model))
     if not n_layers:
         return {}
+    stats = routers(model)[0].__dict__.pop("_mfsdp_router_stats", None)
     # Every rank sends the same shape: the experts count from a router's weight.
     experts = routers(model)[0].weight.shape[0]
     if stats:
