@@ -5,6 +5,11 @@ with the expert data-parallel group; engines/megatron_experts.py), as the Llama 
 GroupedExperts are, and a bf16 run trains; DCP saves the experts under HF's names in their global
 shape.
 
+With `model.pretrained=true` on a directory as `save_pretrained` writes it (one tensor per expert,
+models/hf/moe.py: legacy_expert_sources) the sharded experts hold the saved weights, and with the
+config's `output_router_logits` the step trains with transformers' balancing loss and reports the
+expert loads (models/hf/router_loss.py).
+
 Each case runs in its own process (`python tests/gpu/test_hf_moe_gpu.py CLASS OUT`, one rank, a
 fresh NCCL world), through the launcher's own builders (rank/runtime.py).
 """
@@ -64,6 +69,34 @@ def _case(cls: str, out: str) -> None:
         "shapes": shapes}))
 
 
+def _pretrained_case(cls: str, out: str) -> None:
+    """One rank: save a tiny HF MoE as transformers does (per-expert tensors), load it with
+    model.pretrained=true under megatron_fsdp, compare the experts, train with the router loss."""
+    import torch
+    import transformers
+    from _harness import fit_one_batch
+
+    from mfsdp_launch.planner import prepare
+    from mfsdp_launch.rank.runtime import build_training, init_runtime
+
+    torch.manual_seed(0)
+    saved = getattr(transformers, cls)(getattr(transformers, cls).config_class(
+        **CLASSES[cls], architectures=[cls], output_router_logits=True, router_aux_loss_coef=0.01))
+    hf_dir = out + ".hf"
+    saved.save_pretrained(hf_dir)
+    base = [o for o in BASE if not o.startswith("precision.compute_dtype")] + ["precision.compute_dtype=fp32"]
+    cfg, _ = prepare([*base, f"model.path={hf_dir}", "model.pretrained=true"], check_hardware=False)
+    rt = init_runtime(cfg.engine, cfg.mesh)
+    tr = build_training(cfg, rt)
+    state = tr.engine.state_dict(tr.model, None)["model"]
+    want = saved.state_dict()
+    mismatched = [k for k, v in state.items() if k.rsplit("module.", 1)[-1] in want and not torch.equal(
+        (v.full_tensor() if hasattr(v, "full_tensor") else v).float().cpu(), want[k.rsplit("module.", 1)[-1]].float())]
+    losses, metrics = fit_one_batch(tr, rt.device, each_step=lambda: tr.spec.after_step(tr.model, True))
+    Path(out).write_text(json.dumps({"losses": losses, "mismatched": mismatched, "metrics": metrics,
+                                     "compared": sum(k.rsplit("module.", 1)[-1] in want for k in state)}))
+
+
 def _run_case(cls: str, tmp_path) -> dict:
     from _harness import one_rank_script
 
@@ -86,5 +119,21 @@ def test_hf_moe_experts_are_megatron_fsdp_expert_parameters(cls, tmp_path):
         == [[8, 2 * f, 128]], got["shapes"]
 
 
+@pytest.mark.parametrize("cls", list(CLASSES))
+def test_hub_format_weights_load_and_the_router_loss_trains_under_megatron_fsdp(cls, tmp_path):
+    from _harness import require_gpus
+
+    require_gpus(1)
+    pytest.importorskip("transformers")
+    got = _run_case(f"pretrained:{cls}", tmp_path)
+    assert got["mismatched"] == [] and got["compared"] > 10, got
+    assert got["losses"][-1] < got["losses"][0] - 0.5, got["losses"]
+    assert len(got["metrics"]["moe_load_max"]) == 2 and got["metrics"]["moe_aux_loss"] > 0.5, got["metrics"]
+
+
 if __name__ == "__main__":
-    _case(sys.argv[1], sys.argv[2])
+    case, target = sys.argv[1], sys.argv[2]
+    if case.startswith("pretrained:"):
+        _pretrained_case(case.split(":", 1)[1], target)
+    else:
+        _case(case, target)
