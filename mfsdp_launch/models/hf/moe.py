@@ -160,8 +160,8 @@ def legacy_expert_sources(hf_class: str, shapes: Mapping[str, Tuple[int, ...]]) 
             return Segment(name, 0, shapes[name][0])
 
         order = range(len(experts))
-        fused = {"gate_up_proj": Stacked(tuple((rows(e, gate), rows(e, up)) for e in order)),
-                 "down_proj": Stacked(tuple((rows(e, down),) for e in order))}
+        fused = dict(zip(WEIGHTS, (Stacked(tuple((rows(e, gate), rows(e, up)) for e in order)),
+                                   Stacked(tuple((rows(e, down),) for e in order)))))
         router = f"{layer}.{block}.gate.weight"
         for name in {block, "mlp"}:
             out.update({f"{layer}.{name}.experts.{w}": src for w, src in fused.items()})

@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Callable, Dict, List
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..moe_metrics import in_recompute, load_max, sum_over_ranks
 from .moe import EXPERTS_NAME
 
 ROUTER_NAME = "gate"  # the experts block's router, beside its `experts`
@@ -36,14 +36,8 @@ def routers(model: torch.nn.Module) -> List[torch.nn.Module]:
     return cached
 
 
-def _in_backward() -> bool:
-    """A checkpointed block's recompute (activation checkpointing) routes the same tokens again."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
 def _keep_routing(router: torch.nn.Module, args, out) -> None:
-    if not (router.training and torch.is_grad_enabled()) or _in_backward():
+    if not (router.training and torch.is_grad_enabled()) or in_recompute():
         return
     if not (isinstance(out, tuple) and len(out) == 3):
         return  # another router interface: nothing to count
@@ -98,10 +92,6 @@ def after_step(model: torch.nn.Module, applied: bool) -> Dict[str, object]:
     else:  # no training forward this step on this rank: it still joins the reduction
         device = next(model.parameters()).device
         loads, aux = torch.zeros(n_layers, experts, device=device), torch.zeros(2, device=device)
-    flat = torch.cat([loads.flatten(), aux.to(torch.float32)])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flat)
+    flat = sum_over_ranks(torch.cat([loads.flatten(), aux.to(torch.float32)]))
     loads, aux = flat[:-2].view(n_layers, experts), flat[-2:]
-    mean = loads.mean(dim=1).clamp(min=1e-9)
-    return {"moe_aux_loss": float(aux[0] / aux[1].clamp(min=1)),
-            "moe_load_max": [round(v, 4) for v in (loads.max(dim=1).values / mean).tolist()]}
+    return {"moe_aux_loss": float(aux[0] / aux[1].clamp(min=1)), "moe_load_max": load_max(loads)}

@@ -28,18 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..moe_metrics import in_recompute
 from .dims import GPTDims
 from .moe_dims import expert_capacity
 
 INIT_STD = 0.02
 BUFFERS = ("expert_bias", "load", "aux_sum")
-
-
-def _in_backward() -> bool:
-    """True while autograd recomputes a checkpointed block (activation checkpointing): its forward
-    runs a second time, whose routing must not be counted again."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 class Router(nn.Module):
@@ -230,7 +224,7 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             # Computed in a checkpointed block's recompute too (the same saved tensors), kept once.
             aux_loss, aux = self._losses(counts, logits, probs)
-            if not _in_backward():
+            if not in_recompute():
                 self._account(counts, aux_loss, aux)
         y = self.route(flat, weights, chosen, counts)
         if self.shared is not None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Callable, Dict, List
 
 import torch
-import torch.distributed as dist
 
+from ..moe_metrics import load_max, sum_over_ranks
 from .moe import MoE, moe_layers
 
 
@@ -57,8 +57,7 @@ def after_step(model, applied: bool) -> Dict[str, object]:
     routers = [layer.router for layer in layers]
     stats = torch.cat([torch.stack([r.load for r in routers]).flatten(),
                        torch.stack([r.aux_sum for r in routers]).flatten()])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stats)
+    sum_over_ranks(stats)
     n, E = len(routers), routers[0].experts
     loads, aux = stats[: n * E].view(n, E), stats[n * E:].view(n, 2)
     with torch.no_grad():
@@ -68,7 +67,5 @@ def after_step(model, applied: bool) -> Dict[str, object]:
                 r.expert_bias += rate * torch.sign(load.mean() - load)
             r.load.zero_()
             r.aux_sum.zero_()
-    mean = loads.mean(dim=1).clamp(min=1e-9)
     counted = aux[:, 1].clamp(min=1)
-    rows = (loads.max(dim=1).values / mean).tolist()
-    return {"moe_aux_loss": float((aux[:, 0] / counted).mean()), "moe_load_max": [round(v, 4) for v in rows]}
+    return {"moe_aux_loss": float((aux[:, 0] / counted).mean()), "moe_load_max": load_max(loads)}

@@ -1,7 +1,8 @@
 """`model=hf model.pretrained=true` for Hugging Face MoE directories: transformers 5 builds fused
 experts weights (gate_up_proj [E, 2f, dim], down_proj [E, dim, f]) but save_pretrained writes one
 2-D tensor per expert and projection (Mixtral also under its old block name), as Hub checkpoints
-are. The launcher's check and the loader read those (models/hf/moe.py: legacy_expert_sources)."""
+are. The launcher's check and the loader read those (models/hf/moe.py: legacy_expert_sources).
+Also: the routers' balancing loss is transformers' own (models/hf/router_loss.py)."""
 
 from __future__ import annotations
 
