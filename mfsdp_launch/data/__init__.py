@@ -8,13 +8,32 @@
 Sample ``g`` is a pure function of ``(seed, g)`` and the corpus, so a resume (even at another
 data-parallel size) continues bitwise with no loader state. The corpora themselves (formats,
 blends, packing, document masks) live in ``mfsdp_launch.corpus``; docs/data.md is the guide.
-Importing this package imports numpy only.
+Importing this package imports nothing; each name's module comes on first use.
 """
 
-from .batches import TokenBatches, open_dataset
-from .check import check_data_config, check_data_integrity, has_validation, loss_masked_source
-from .layout import microbatch_start, sample_rng, samples_per_step, val_batch_start
-from .text import (BYTE_VOCAB, SEPARATOR, STDLIB_SKIP_DIRS, build_token_cache, cache_dir_for, resolve_text_files, stdlib_dir, token_dtype, tokenizer_vocab_size)
+import importlib
+
+# Each name's module, imported on first use (PEP 562): the launcher's checks (check.py, text.py's
+# rules) run without numpy, which batches.py and layout.py need, so a dry run starts faster.
+_HOME = {
+    "TokenBatches": "batches", "open_dataset": "batches",
+    "check_data_config": "check", "check_data_integrity": "check", "has_validation": "check",
+    "loss_masked_source": "check",
+    "microbatch_start": "layout", "sample_rng": "layout", "samples_per_step": "layout",
+    "val_batch_start": "layout",
+    "BYTE_VOCAB": "text", "SEPARATOR": "text", "STDLIB_SKIP_DIRS": "text", "build_token_cache": "text",
+    "cache_dir_for": "text", "resolve_text_files": "text", "stdlib_dir": "text", "token_dtype": "text",
+    "tokenizer_vocab_size": "text",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "TokenBatches", "open_dataset", "check_data_config", "check_data_integrity", "has_validation", "loss_masked_source", "samples_per_step",

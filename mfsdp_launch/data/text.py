@@ -31,9 +31,10 @@ import logging
 import os
 import sys
 import sysconfig
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where tokens are made: the launcher's checks stay without it
+    import numpy as np
 
 from ..core.errors import ConfigError
 
@@ -61,6 +62,8 @@ def cfg_get(data_cfg: Any, key: str, default: Any = None) -> Any:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest Megatron token dtype for ids < ``vocab_size`` (uint8, uint16, else int32)."""
+    import numpy as np
+
     if vocab_size <= 256:
         return np.dtype(np.uint8)
     if vocab_size <= 1 << 16:
@@ -218,6 +221,8 @@ def _read_pieces(sources: Sequence[Tuple[str, int, int]], max_bytes: int) -> Lis
 
 def _tokenize(pieces: List[bytes], tok_path: Optional[str], vocab: int):
     """(tokens, document lengths, vocab): one document per file (its separator included)."""
+    import numpy as np
+
     if tok_path is None:
         docs = [np.frombuffer(p, dtype=np.uint8) for p in pieces]
     else:

@@ -11,6 +11,7 @@ bitwise from a checkpoint it saved."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -18,8 +19,9 @@ import pytest
 from helpers import SMOKE, one_rank_group, train_ranks, write_llama_dir
 
 torch = pytest.importorskip("torch")
-peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
+# peft takes ~3 s to import: the test that uses it imports it, not every worker's collection.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")
 
 DIMS = dict(hidden_size=128, intermediate_size=256)
 PEFT = "model.peft={kind: lora, r: 2, alpha: 4, targets: [wqkv, wo, w_gate_up, w_down]}"
@@ -73,6 +75,8 @@ def test_gpt_lora_saves_adapters_only_and_exports_to_peft_and_merged_hf(tmp_path
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (2, 4, str(base))
     hf = transformers.AutoModelForCausalLM.from_pretrained
+    import peft
+
     with_adapter = peft.PeftModel.from_pretrained(hf(base, dtype=torch.float32), tmp_path / "adapter")
     theirs = _logits(with_adapter, ids)
     peft_merged = _logits(with_adapter.merge_and_unload(), ids)

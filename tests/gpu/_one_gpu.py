@@ -34,7 +34,10 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-BASE_DIR = Path(os.environ.get("MFSDP_GPU_TEST_LOGS", tempfile.gettempdir())) / "one_gpu"
+# Under pytest-xdist (the tier's `-n`, tests/gpu/device_run.sh) each worker has a pool and a
+# folder of its own, and starts only the runs of the files it was handed (see `start`).
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+BASE_DIR = Path(os.environ.get("MFSDP_GPU_TEST_LOGS", tempfile.gettempdir())) / "one_gpu" / (XDIST_WORKER or "main")
 RUNS_DIR = BASE_DIR / "runs"
 MAX_PARALLEL = int(os.environ.get("MFSDP_ONE_GPU_PARALLEL", max(2, min(8, (os.cpu_count() or 4) // 2))))
 STALL_DUMP_S = 90  # a step slower than this is a hang here: every rank dumps its stacks to its log
@@ -353,12 +356,17 @@ def _item_runs(item) -> List[str]:
     return names
 
 
-def start(session) -> None:
-    """Start (in the background) every run the session's selected, not skipped tests read."""
+def start(request) -> None:
+    """Start (in the background) every run the session's selected, not skipped tests read; under
+    xdist, those of the asking test's file only (`--dist loadfile` hands a file to one worker, whole),
+    so two workers never start one run."""
     if POOL.thread is not None:
         return
+    items = request.session.items
+    if XDIST_WORKER:
+        items = [item for item in items if item.path == request.node.path]
     names = set()
-    for item in session.items:
+    for item in items:
         if item.get_closest_marker("skip"):
             continue
         names.update(_item_runs(item))
@@ -376,7 +384,7 @@ def start(session) -> None:
 
 def get(request, name: str, wait: float = 900.0) -> Result:
     """The finished run `name` (started now if it was not yet)."""
-    start(request.session)
+    start(request)
     POOL.want([name])
     run = REGISTRY[name]
     if not run.done.wait(wait):

@@ -6,11 +6,10 @@
 # e2e_bench_gpt (CLI runs + the 1.4B GPT benchmark), te (TE GPU tests + the TE model tests),
 # te_e2e_bench (the TE CLI runs: FP8 recipe, CUDA graph, fp8.skip + TE benchmarks and profiles),
 # te_parallel (te_gpt tp=2/cp=2 vs 1, tp reshard, TE activation checkpointing; after `setup.sh te`),
-# one_gpu (the one-GPU tier: every test marked gpu and not multi_gpu; its TE tests skip before
-# `setup.sh te`, so run it after that for the whole tier; more than one call's 10 minutes, so give it
-# files through ONE_GPU_ARGS: session 13, without TE, took 151 s for test_one_gpu_engine +
-# test_one_gpu_features, 177 s for test_every_tool_gpu + the TE files + e2e/profile, ~150 s for
-# generate + moe + hf_moe, ~200 s for sft, ~130 s for lora),
+# one_gpu (the one-GPU tier: every test marked gpu and not multi_gpu, in one call: pytest-xdist's
+# ONE_GPU_WORKERS files at a time on the one GPU (the tests are tiny, their time is start-up on
+# the CPU), the slow files first; without TE its TE tests skip, so run it after `setup.sh te` for
+# the whole tier; ONE_GPU_ARGS replaces the files, e.g. to run one),
 # generate (scripts/bench_generate.py on the 1.4b gpt, then +recipe=fsdp_bf16 as shipped for 60 steps).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
@@ -59,9 +58,17 @@ case "$phase" in
     timeout -k 10 "$budget" $PYTEST ${TESTS:?TESTS} 2>&1 | tee -a "$log" ;;
   bench)  # BENCH: bench.py arguments, e.g. BENCH="--group ac_peak --group ac8b"
     timeout -k 10 "$budget" python3 scripts/bench.py ${BENCH:?BENCH} 2>&1 | tee -a "$log" ;;
-  one_gpu)  # the one-GPU tier; ONE_GPU_ARGS adds pytest arguments (e.g. -k ..., or files)
-    timeout -k 10 "$budget" python3 -m pytest -o addopts=-ra -p no:cacheprovider -v -m "gpu and not multi_gpu" \
-      ${ONE_GPU_ARGS:-tests/gpu} 2>&1 | tee -a "$log"; reap ;;
+  one_gpu)  # the one-GPU tier (`-m "gpu and not multi_gpu"` over all of tests/); ONE_GPU_ARGS: other files
+    # pytest-xdist comes in .gpuextra/ (the device has none): a file per worker, whole, in the order
+    # below (--no-loadscope-reorder), so the files whose few tests take a minute each start first.
+    # Without xdist the same tests run one after another.
+    xdist=()
+    python3 -c "import xdist" 2>/dev/null && xdist=(-n "${ONE_GPU_WORKERS:-4}" --dist loadfile --no-loadscope-reorder)
+    slow_first="tests/gpu/test_sft_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_hf_moe_gpu.py \
+      tests/gpu/test_moe_gpu.py tests/gpu/test_one_gpu_features.py tests/gpu/test_every_tool_gpu.py tests"
+    MFSDP_ONE_GPU_PARALLEL=${MFSDP_ONE_GPU_PARALLEL:-4} timeout -k 10 "$budget" python3 -m pytest -o addopts=-ra \
+      -p no:cacheprovider -v "${xdist[@]}" -m "gpu and not multi_gpu" ${ONE_GPU_ARGS:-$slow_first} 2>&1 | tee -a "$log"
+    reap ;;
   generate)  # scripts/bench_generate.py: mfsdp-generate on the 1.4b gpt (issue 29), then fsdp_bf16 as shipped
     timeout -k 10 "$budget" python3 scripts/bench_generate.py --run-dir /tmp/gen14 > "$OUT/generate.json" 2>>"$log"
     cat "$OUT/generate.json" | tee -a "$log"; reap

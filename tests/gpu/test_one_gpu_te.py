@@ -51,7 +51,7 @@ JOB.add("graph-gpt-loop", "cuda_graph", outer="no_shard", model="gpt_tiny", comp
 def te_gpu(request):
     require_gpus(1)
     require_te()
-    G.start(request.session)
+    G.start(request)
 
 
 # ------------------------------------------------------------------------------- in one process
