@@ -25,6 +25,7 @@ _HOME = {
     "cache_dir_for": "text", "resolve_text_files": "text", "stdlib_dir": "text", "token_dtype": "text",
     "tokenizer_vocab_size": "text",
 }
+__all__ = list(_HOME)
 
 
 def __getattr__(name: str):
@@ -33,11 +34,3 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
     globals()[name] = value
     return value
-
-
-__all__ = [
-    "TokenBatches", "open_dataset", "check_data_config", "check_data_integrity", "has_validation", "loss_masked_source", "samples_per_step",
-    "microbatch_start", "val_batch_start", "sample_rng", "resolve_text_files", "tokenizer_vocab_size",
-    "build_token_cache", "cache_dir_for", "token_dtype", "stdlib_dir", "STDLIB_SKIP_DIRS", "SEPARATOR",
-    "BYTE_VOCAB",
-]

@@ -49,7 +49,7 @@ for _z, _mp, _mg in CUSTOM:
 @pytest.fixture
 def one_gpu(request):
     require_gpus(1)
-    _one_gpu.start(request)  # the CLI runs of the other modules, in the background
+    _one_gpu.start(request)  # the other modules' CLI runs in the background (under xdist: this file's, none)
 
 
 @pytest.mark.parametrize("model,zero,variant", FS_CASES, ids=lambda v: str(v))
