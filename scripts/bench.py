@@ -562,6 +562,8 @@ def main() -> int:
             for e in todo:
                 t0 = time.time()
                 steps = e.get("steps", a.steps)
+                if e.get("peft"):  # before the estimate: validation opens model.init_from's directory
+                    write_lora_base(e)
                 est = estimate_entry(e, world) if e["group"] in MEMORY_GROUPS else {}
                 if est.get("refused"):  # refused before spawning: record it, spend no GPU time
                     r = dict(e, ok=False, world=world, error=est["refused"], **est)
