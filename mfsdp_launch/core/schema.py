@@ -84,10 +84,11 @@ class ACMode(Choice):
 
 
 class LossKernel(Choice):
-    """model.loss_kernel (gpt, te_gpt): how the next-token cross-entropy runs."""
+    """model.loss_kernel (gpt, te_gpt, hf): how the next-token cross-entropy runs."""
 
     torch = "torch"  # F.cross_entropy on fp32 logits
-    te_fused = "te_fused"  # TE's fused kernel on the bf16 logits (CUDA): no fp32 copy, fewer kernels
+    te_fused = "te_fused"  # gpt, te_gpt: TE's fused kernel on the bf16 logits (CUDA): no fp32 copy, fewer kernels
+    chunked = "chunked"  # hf: head + cross-entropy a chunk of tokens at a time, recomputed in backward
 
 
 class LauncherKind(Choice):

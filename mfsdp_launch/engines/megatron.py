@@ -104,6 +104,8 @@ class MegatronFSDPEngine(Engine):
                               f"FSDP unit ({', '.join(c.__name__ for c in units) or 'none given'}); "
                               "ZeRO-3 needs at least one", "class names of the model's blocks")
         _cast_model(model, torch_dtype(plan.compute_dtype))
+        if plan.init_model_with_meta_device:
+            _materialize_shared_params(model, self.device)
         from ..models.llama.te_modules import tp_group_of
 
         self._te_tp_group = tp_group_of(model)
@@ -322,6 +324,30 @@ class MegatronFSDPEngine(Engine):
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+
+def _materialize_shared_params(model: torch.nn.Module, device) -> None:
+    """Materialize (and initialize) each meta parameter that several modules hold, before
+    Megatron-FSDP's meta-device init: it materializes a parameter through one of its modules
+    (`to_empty` + `reset_parameters`), so a tied one (an HF model's lm_head.weight, which is its
+    embed_tokens.weight) would come apart, the other module keeping the meta tensor (0.6.1 then
+    stops on "Parameter lm_head.weight not found in FSDP parameters")."""
+    holders: Dict[int, list] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                holders.setdefault(id(param), []).append((module, name, param))
+    for held in holders.values():
+        if len(held) < 2:
+            continue
+        old = held[0][2]
+        new = torch.nn.Parameter(torch.empty_like(old, device=device), requires_grad=old.requires_grad)
+        for module, name, _ in held:
+            module._parameters[name] = new
+        owner = next((m for m, _, _ in held if hasattr(m, "reset_parameters")), None)
+        if owner is not None:
+            with torch.no_grad():
+                owner.reset_parameters()
 
 
 def _restore_hfsdp_grad_scaling(wrapped) -> None:

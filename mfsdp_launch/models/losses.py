@@ -87,15 +87,21 @@ def cross_entropy_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
     return target_mean_cross_entropy(logits, labels)
 
 
-def hf_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
-    """`cross_entropy_loss` for model=hf; a batch with "doc_ids" (data.doc_mask) runs attention per
-    document, positions restarting in each (models/doc_attention.py)."""
+def hf_logits(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """model=hf's output on a batch; with "doc_ids" (data.doc_mask) attention runs per document,
+    positions restarting in each (models/doc_attention.py)."""
     if batch.get("doc_ids") is None:
-        return cross_entropy_loss(model, batch)
+        return output_logits(model(batch["input_ids"]))
     from .doc_attention import hf_document_logits
 
-    logits = hf_document_logits(model, batch["input_ids"], batch["doc_ids"], batch.get("cu_seqlens"))
-    return target_mean_cross_entropy(logits, batch["labels"])
+    return hf_document_logits(model, batch["input_ids"], batch["doc_ids"], batch.get("cu_seqlens"))
+
+
+def hf_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
+    """`cross_entropy_loss` for model=hf, documents kept apart under data.doc_mask."""
+    if batch.get("doc_ids") is None:
+        return cross_entropy_loss(model, batch)
+    return target_mean_cross_entropy(hf_logits(model, batch), batch["labels"])
 
 
 def model_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":

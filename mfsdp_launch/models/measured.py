@@ -55,7 +55,8 @@ class MeasuredFamily(ModelFamily):
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
         p = self.probe(m)
         return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, p["vocab_size"],
-                                  mode=str(m.activation_checkpointing), every=m.ac_every)
+                                  mode=str(m.activation_checkpointing), every=m.ac_every,
+                                  chunked_loss=str(getattr(m, "loss_kernel", "torch")) == "chunked")
 
     def unit_classes(self, m) -> tuple:
         """The FSDP unit classes the probe found (model.fsdp_unit_modules, or the model's own)."""

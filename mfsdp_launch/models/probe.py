@@ -188,9 +188,11 @@ def measure(model: "nn.Module", unit_classes: Sequence[type]) -> Dict[str, Any]:
 
 
 def activation_bytes(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, bytes_per_el: int,
-                     vocab_size: Optional[int], *, mode: str = "none", every: int = 1) -> int:
+                     vocab_size: Optional[int], *, mode: str = "none", every: int = 1,
+                     chunked_loss: bool = False) -> int:
     """Bytes of activations from a probe's per-token elements (model.activation_checkpointing
-    `mode`, every `every`-th unit when selective), plus the logits' fp32 copy."""
+    `mode`, every `every`-th unit when selective), plus the logits' fp32 copy; with
+    `chunked_loss` (model.loss_kernel=chunked) no logits per token, one chunk's loss instead."""
     from .activation_checkpoint import checkpointed_blocks
 
     a = p["activations"]
@@ -203,4 +205,9 @@ def activation_bytes(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, 
     else:  # k of n units keep only their input; a unit recomputes after the later ones were freed
         per_token = a["per_token"] - k * (a["unit_elements"] - a["width"])
     tokens = micro_batch_size * seq_len
-    return int(tokens * (per_token * bytes_per_el + 4 * (vocab_size or 0)))
+    vocab = vocab_size or 0
+    if chunked_loss:  # the head's output (counted among the Linear outputs above) never exists whole
+        from .chunked_loss import chunk_loss_bytes
+
+        return int(tokens * (per_token - vocab) * bytes_per_el + chunk_loss_bytes(vocab, tokens))
+    return int(tokens * (per_token * bytes_per_el + 4 * vocab))

@@ -6,7 +6,8 @@
   eager and compiled: the Linears run in FP8 (the losses move off bf16's) and train as bf16 does
   (within 5 % over the first steps);
 * activation checkpointing of model=hf's decoder layers and model=custom's units (the README's
-  module) under both engines gives the losses of AC none.
+  module) under both engines gives the losses of AC none, and so does model=hf's chunked loss
+  (model.loss_kernel=chunked).
 
 The runs start in the background several at a time (_one_gpu.py); each test reads those it names.
 """
@@ -65,6 +66,11 @@ for _s, _eng in ENGINES.items():
         G.train(f"tool_hf_ac_{_mode}_{_s}", *HF, *FP32, _eng, "train.steps=4", f"model.activation_checkpointing={_mode}")
         G.train(f"tool_custom_ac_{_mode}_{_s}", *CUSTOM, *FP32, _eng, "train.steps=4",
                 f"model.activation_checkpointing={_mode}", prepare=_write_module, env=MODULE_ENV)
+    G.train(f"tool_hf_chunked_loss_{_s}", *HF, *FP32, _eng, "train.steps=4", "model.loss_kernel=chunked")
+    # Tied embeddings (Llama 3.2's) built on the meta device: Megatron-FSDP materializes a parameter
+    # through one of its modules; engines/megatron.py materializes the tied one first.
+    G.train(f"tool_hf_tied_meta_{_s}", "model=hf", LLAMA[:-1] + ", tie_word_embeddings: true}", *GPT[2:], *BF16, _eng,
+            "train.steps=8", "model.init_on_meta=true")
 
 
 @pytest.fixture(autouse=True)
@@ -139,3 +145,17 @@ def test_activation_checkpointing_keeps_the_losses(request, model, engine, mode)
     ref = G.get(request, f"tool_{model}_ac_none_{engine}").ok().losses()
     got = G.get(request, f"tool_{model}_ac_{mode}_{engine}").ok().losses()
     assert_close(got, ref, range(1, 5), rel=1e-5, what=f"{model} AC {mode} under {engine}")
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@uses(lambda p: [f"tool_hf_ac_none_{p['engine']}", f"tool_hf_chunked_loss_{p['engine']}"])
+def test_the_chunked_loss_keeps_the_losses(request, engine):
+    ref = G.get(request, f"tool_hf_ac_none_{engine}").ok().losses()
+    got = G.get(request, f"tool_hf_chunked_loss_{engine}").ok().losses()
+    assert_close(got, ref, range(1, 5), rel=1e-5, what=f"hf model.loss_kernel=chunked under {engine}")
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@uses(lambda p: [f"tool_hf_tied_meta_{p['engine']}"])
+def test_tied_embeddings_train_from_meta_init(request, engine):
+    assert_learns(G.get(request, f"tool_hf_tied_meta_{engine}").ok().losses(), 8, 0.05, f"tied hf under {engine}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ...core.schema import ModelConfig
+from ...core.schema import LossKernel, ModelConfig
 
 
 @dataclass
@@ -15,3 +15,5 @@ class HFModelConfig(ModelConfig):
     hf_config: Any = None
     hf_class: Optional[str] = None
     pretrained: bool = False  # load model.path's safetensors into the sharded model
+    # chunked: the head and cross-entropy a chunk of tokens at a time (models/chunked_loss.py)
+    loss_kernel: LossKernel = LossKernel.torch

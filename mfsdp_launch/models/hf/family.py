@@ -56,6 +56,7 @@ class HFFamily(MeasuredFamily):
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         p = self.probe(m)
+        self._check_loss_kernel(m, p, ctx)
         if ctx.tp > 1:
             self._check_tp(p, ctx)
         if ctx.cp > 1 and p["sliding_window"]:
@@ -64,6 +65,18 @@ class HFFamily(MeasuredFamily):
         if ctx.ep > 1:
             self._check_ep(p, ctx)
         return []
+
+    def _check_loss_kernel(self, m, p: dict, ctx: ModelContext) -> None:
+        kernel = str(m.loss_kernel)
+        if kernel == "te_fused":
+            raise ConfigError("model.loss_kernel", "te_fused is the Llama family's (model=gpt, te_gpt); model=hf's "
+                              "memory-lean loss is chunked", "torch, chunked")
+        if kernel != "chunked":
+            return
+        if p.get("chunked_problem"):
+            raise ConfigError("model.loss_kernel", f"chunked: {p['hf_class']} {p['chunked_problem']}", "torch")
+        if ctx.tp > 1:  # the tensor-parallel plan makes the head a DTensor layer with its own hooks
+            raise ConfigError("model.loss_kernel", f"chunked with mesh.tp={ctx.tp} is not wired", "torch, or mesh.tp=1")
 
     def _check_ep(self, p: dict, ctx: ModelContext) -> None:
         moe = p["moe"]
@@ -155,17 +168,27 @@ class HFFamily(MeasuredFamily):
         from ..family import resolve_unit_modules
 
         p, src, dtype = self.probe(m), self._source(m), torch_dtype(m.params_dtype)
-        loss, moe = hf_loss, {}
+        chunked = str(m.loss_kernel) == "chunked"
+        if chunked:
+            from .. import chunked_loss
+            from ..losses import hf_logits
+
+            loss = chunked_loss.chunked(hf_logits)
+        else:
+            loss = hf_loss
+        moe = {}
         if p.get("moe"):  # routed experts: the balancing loss and the expert loads (router_loss.py)
             from .router_loss import after_step, attach, with_router_loss
 
-            loss = with_router_loss(hf_loss, p["moe"].get("router_aux_loss_coef", 0.0))
+            loss = with_router_loss(loss, p["moe"].get("router_aux_loss_coef", 0.0))
             moe = {"after_step": after_step}
 
         def build():
             model = H.build_hf_model(src, dtype)
             if any(t.is_meta for t in model.parameters()):
                 H.support_module_init(model)
+            if chunked:
+                chunked_loss.install(model)
             return attach(model) if moe else model
 
         return ModelSpec(name=self.name, build=build, unit_modules=resolve_unit_modules(p["unit_classes"]),
@@ -224,6 +247,9 @@ def probe_hf(d: dict) -> dict:
 
     # what mesh.tp > 1 and mesh.cp > 1 need (HFFamily.check)
     out.update(tp_problem=tp_problem(model), tp_dims=tp_dims(model), sliding_window=sliding_window(src.config))
+    from ..chunked_loss import chunked_problem
+
+    out["chunked_problem"] = chunked_problem(model)  # what model.loss_kernel=chunked needs
     from .moe import moe_facts
 
     out["moe"] = moe_facts(model, units)  # {} for a dense model

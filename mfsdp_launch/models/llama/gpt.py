@@ -48,10 +48,16 @@ class GPTFamily(ModelFamily):
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)  # every dimension rule, with the key that breaks it
+        self.check_loss_kernel(m)
         self.check_variants(d, m, ctx)
         self.check_init_from(m)
         self.check_tp_dims(d, ctx)
         return []
+
+    def check_loss_kernel(self, m) -> None:
+        if str(m.loss_kernel) == "chunked":  # the Llama family's memory-lean loss is TE's fused kernel
+            raise ConfigError("model.loss_kernel", f"chunked is model=hf's; model={self.name} has te_fused "
+                              "(TE's kernel on the bf16 logits)", "torch, te_fused")
 
     def check_variants(self, d: L.GPTDims, m, ctx: ModelContext) -> None:
         """What the MoE and Qwen3-style attention variants do not combine with (yet), and mesh.ep."""

@@ -41,6 +41,7 @@ class TEGPTFamily(GPTFamily):
 
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)
+        self.check_loss_kernel(m)
         # TE's TransformerLayer is the dense block; the mixture of experts and Qwen3's attention
         # variants are gpt's (TE GroupedLinear experts are not wired).
         for key, used in (("model.moe.experts", d.moe is not None), ("model.qk_norm", d.qk_norm),

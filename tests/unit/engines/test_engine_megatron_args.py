@@ -209,3 +209,22 @@ def test_hfsdp_helper_buffer_gets_the_main_buffers_gradient_scaling():
     assert hfsdp.hfsdp_helper_gbuf.gradient_scaling_factor == 0.25
     assert plain.hfsdp_helper_gbuf is None
     assert fixed.hfsdp_helper_gbuf.gradient_scaling_factor == 0.125
+
+
+def test_tied_meta_parameters_are_materialized_once_for_every_module_that_holds_them():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from mfsdp_launch.engines.megatron import _materialize_shared_params
+    from mfsdp_launch.models.hf.model import support_module_init
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    support_module_init(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    _materialize_shared_params(model, torch.device("cpu"))
+    head = model.lm_head.weight
+    assert head is model.model.embed_tokens.weight and not head.is_meta  # still one parameter, now real
+    assert head.std().item() == pytest.approx(config.initializer_range, rel=0.1)  # initialized, HF's way
+    assert model.model.layers[0].mlp.down_proj.weight.is_meta  # the rest is Megatron-FSDP's to materialize

@@ -190,3 +190,99 @@ def test_the_memory_estimate_follows_the_mode(tmp_path, monkeypatch, model):
         return family(model).activation_bytes(m, 4, 1024, 2)
 
     assert act("full") < act("selective", 2) < act("selective", 4) < act("none")
+
+
+# ---------------------------------------------------------------- model.loss_kernel=chunked (model=hf)
+
+
+def test_chunked_cross_entropy_equals_the_plain_loss_and_its_gradients():
+    import torch.nn.functional as F
+
+    from mfsdp_launch.models.chunked_loss import cross_entropy_sum
+    from mfsdp_launch.models.losses import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 10, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 10), generator=g)
+    labels[0, :7] = IGNORE_INDEX  # a chunk (of 4) without any target, and ragged ones
+    labels[2, 3] = IGNORE_INDEX
+    plain = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, 1), labels.flatten(), reduction="sum",
+                            ignore_index=IGNORE_INDEX)
+    ref = torch.autograd.grad(plain, (hidden, weight, bias))
+    got = cross_entropy_sum(hidden, weight, bias, labels, chunk=4)
+    assert got.dtype == torch.float32  # the loss in fp32, as the plain loss
+    grads = torch.autograd.grad(got, (hidden, weight, bias))
+    assert got.item() == pytest.approx(plain.item(), rel=1e-6)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_hf_chunked_loss_keeps_the_losses_under_fsdp2(tmp_path, monkeypatch):
+    from mfsdp_launch.models import chunked_loss
+
+    monkeypatch.setattr(chunked_loss, "CHUNK_LOGITS", 256 * 16)  # 16 tokens a chunk: 4 per micro-batch
+    runs = {}
+    with one_rank_group(tmp_path / "store"):
+        for kernel in ("torch", "chunked"):
+            runs[kernel] = train_here([*TINY_LLAMA, f"model.loss_kernel={kernel}"], 4)
+    plain, (chunked, _, tr) = runs["torch"][0], runs["chunked"]
+    assert len(set(plain)) == 4  # the weights move
+    assert chunked == pytest.approx(plain, rel=1e-6), (plain, chunked)
+    ids = torch.zeros((1, 8), dtype=torch.long)  # outside the loss the head gives logits, as before
+    assert tr.model(ids).logits.shape == (1, 8, 256)
+
+
+def test_the_chunked_head_saves_no_logits_for_backward(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mfsdp_launch.models import chunked_loss
+    from mfsdp_launch.models.losses import hf_logits, hf_loss
+
+    monkeypatch.setattr(chunked_loss, "CHUNK_LOGITS", 256 * 16)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def saved_shapes(model, loss):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            loss(model, batch)
+        return shapes
+
+    torch.manual_seed(0)
+    plain = saved_shapes(LlamaForCausalLM(config), hf_loss)
+    chunked = saved_shapes(chunked_loss.install(LlamaForCausalLM(config)), chunked_loss.chunked(hf_logits))
+    assert (64, 256) in plain  # the log-softmax of every token's logits
+    assert not [s for s in chunked if s and s[-1] == 256], chunked  # the chunks' logits are recomputed in backward
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["model=gpt", "model.loss_kernel=chunked"], "chunked is model=hf's; model=gpt has te_fused"),
+    (["model=hf", _hf("llama"), "model.loss_kernel=te_fused"], "te_fused is the Llama family's"),
+    (["model=hf", _hf("llama"), "model.loss_kernel=chunked", "mesh.tp=2"], "chunked with mesh.tp=2 is not wired"),
+    (["model=hf", _hf("gemma3_text", head_dim=8, final_logit_softcapping=30.0), "model.loss_kernel=chunked"],
+     "Gemma3ForCausalLM it soft-caps its logits (final_logit_softcapping=30.0)"),
+])
+def test_chunked_loss_refusals_are_one_line(overrides, words):
+    from helpers import refused
+
+    exc = refused(*overrides, "launcher.nproc_per_node=2", "launcher.dry_run=true")
+    assert exc.key == "model.loss_kernel" and words in str(exc) and "\n" not in str(exc), str(exc)
+
+
+def test_the_memory_estimate_knows_the_chunked_loss():
+    from helpers import model_cfg
+    from mfsdp_launch.models import family
+
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128256)
+
+    def act(kernel):
+        m = model_cfg("hf", hf_class="LlamaForCausalLM", hf_config=fields, loss_kernel=kernel)
+        return family("hf").activation_bytes(m, 4, 8192, 2)
+
+    # 32k tokens x 128k vocabulary: the plain loss's 6 bytes a logit (25 GB) against one chunk's 1.9 GB
+    assert act("torch") - act("chunked") > 20e9, (act("torch"), act("chunked"))

@@ -317,7 +317,7 @@ def test_the_config_layer_and_the_cli_never_import_torch():
 
 def test_fused_loss_kernel_belongs_to_the_gpt_families_and_needs_cuda(monkeypatch):
     err = refused("model=toy_transformer", "engine=fsdp2", "model.loss_kernel=te_fused")
-    assert err.key == "model.loss_kernel" and "(a key of model=gpt|te_gpt)" in str(err)
+    assert err.key == "model.loss_kernel" and "(a key of model=gpt|te_gpt|hf)" in str(err)
     from mfsdp_launch.planner import machine
 
     cfg, _ = checked("model=gpt", "model.loss_kernel=te_fused")
