@@ -33,10 +33,11 @@ def chunk_tokens(vocab_size: int) -> int:
     return max(1, CHUNK_LOGITS // max(vocab_size, 1))
 
 
-def chunk_loss_bytes(vocab_size: int, tokens: int) -> int:
-    """Bytes one chunk's loss holds at its peak (the memory estimate): bf16 logits, fp32 copy,
-    log-softmax and its gradient."""
-    return min(tokens, chunk_tokens(vocab_size)) * vocab_size * 14
+def chunk_loss_bytes(vocab_size: int, tokens: int, dim: int = 0) -> int:
+    """Bytes the chunked loss holds at its peak (the memory estimate): one chunk's bf16 logits, fp32
+    copy, log-softmax and its gradient, and, in backward, the head weight's gradient being summed
+    over the chunks next to the one a chunk adds (fp32, `dim` wide)."""
+    return min(tokens, chunk_tokens(vocab_size)) * vocab_size * 14 + 2 * vocab_size * dim * 4
 
 
 def _chunk_sum(hidden, weight, bias, labels):

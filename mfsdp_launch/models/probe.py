@@ -209,5 +209,10 @@ def activation_bytes(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, 
     if chunked_loss:  # the head's output (counted among the Linear outputs above) never exists whole
         from .chunked_loss import chunk_loss_bytes
 
-        return int(tokens * (per_token - vocab) * bytes_per_el + chunk_loss_bytes(vocab, tokens))
-    return int(tokens * (per_token * bytes_per_el + 4 * vocab))
+        width = int((p.get("dims") or {}).get("dim", 0) or a.get("width", 0))
+        return int(tokens * (per_token - vocab) * bytes_per_el + chunk_loss_bytes(vocab, tokens, width))
+    # The same cross-entropy as gpt's lm_loss (its fp32 buffers, models/llama/dims.py), on top of the
+    # head's output counted above.
+    from .llama.dims import LOSS_BYTES_PER_LOGIT
+
+    return int(tokens * (per_token * bytes_per_el + LOSS_BYTES_PER_LOGIT * vocab))
