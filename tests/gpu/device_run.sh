@@ -14,14 +14,10 @@
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
 #
-# The whole GPU suite in six back-to-back calls on nvidia-h200-x2 (the machine is given back
-# after ~30 s idle, so have every call ready; ~25 of the 30 device minutes, measured):
-#   1 carry [.devkit,.te0]  bash .devkit/setup.sh base && source /tmp/devkit/env.sh && bash tests/gpu/device_run.sh smoke 420
-#   2 carry [.te1]          bash /tmp/devkit/setup.sh part 1 && source /tmp/devkit/env.sh && bash tests/gpu/device_run.sh core 400
-#   3 carry [.te2]          part 2 && BENCH="--group gpt_pair" ... e2e_bench_gpt 420
-#   4 carry [.te3]          part 3 (+ a short re-run if anything failed)
-#   5 carry [.te4]          part 4 && bash /tmp/devkit/setup.sh te && ... te 420
-#   6 no carry              ... BENCH="--group te_deep --only profile_te_gpt_2b_delayed" ... te_e2e_bench 440
+# One call, after `bash .devkit/setup.sh base` (carry .devkit and .gpuextra; TE's parts need calls of
+# their own, /work/shared/device/README.md): `bash tests/gpu/device_run.sh one_gpu 420` runs the whole
+# one-GPU tier (session 15: 104 passed, 47 skipped for want of TE, in 5:52), and `bench` a
+# scripts/bench.py selection. The machine is given back after ~30 s idle: have the next call ready.
 set -uo pipefail
 phase=${1:?phase}
 budget=${2:-480}
