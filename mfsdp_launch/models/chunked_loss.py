@@ -5,8 +5,9 @@ At a 128k vocabulary the plain loss holds, per token, the bf16 logits, their fp3
 log-softmax that cross-entropy saves (10 bytes a logit: 1.3 MB a token, 42 GB at 32k tokens), more
 than activation checkpointing leaves of the whole model. Here one chunk's logits exist at a time,
 forward and backward, for a second run of the head's matmul in backward (measured on one H200: 7-9 %
-of the tokens/s of a Llama-3.2-1B shape at seq 8192, bench/reports/2026-12-02-session15-*). The cost is the same on every engine: the head runs inside the model's own
-forward, so its weights are gathered exactly as for the plain head.
+of the tokens/s of a Llama-3.2-1B shape at seq 8192, bench/reports/2026-12-02-session15-*). The
+cost is the same on every engine: the head runs inside the model's own forward, so its weights are
+gathered exactly as for the plain head.
 
 How: `install(model)` gives the HF model's output embeddings (a plain nn.Linear) a forward that,
 while `labels_for(head, labels)` is open, returns the summed cross-entropy of its input against
@@ -43,10 +44,9 @@ def chunk_loss_bytes(vocab_size: int, tokens: int, dim: int = 0) -> int:
 def _chunk_sum(hidden, weight, bias, labels):
     import torch.nn.functional as F
 
-    from .losses import IGNORE_INDEX
+    from .losses import summed_cross_entropy
 
-    logits = F.linear(hidden, weight, bias)
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return summed_cross_entropy(F.linear(hidden, weight, bias), labels)
 
 
 def cross_entropy_sum(hidden: "torch.Tensor", weight: "torch.Tensor", bias: Optional["torch.Tensor"],
@@ -121,11 +121,11 @@ def chunked(forward_logits: Callable) -> Callable:
     the summed cross-entropy instead: the mean over the batch's target tokens, as the plain loss."""
 
     def loss(model, batch):
-        from .losses import IGNORE_INDEX
+        from .losses import target_count
 
         labels = batch["labels"]
         with labels_for(_head_of(model), labels):
             total = forward_logits(model, batch)
-        return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return total / target_count(labels)
 
     return loss

@@ -25,15 +25,24 @@ def _gpt_logits(model: "nn.Module", batch: dict) -> "torch.Tensor":
                                                                                 cu_seqlens=cu)
 
 
+def target_count(labels: "torch.Tensor") -> "torch.Tensor":
+    """The target tokens (labels != IGNORE_INDEX), at least 1: a mean over none is 0, not NaN."""
+    return (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def summed_cross_entropy(logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+    """Sum of the cross-entropy over the target tokens, in fp32 (logits [..., vocab], labels [...])."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
 def target_mean_cross_entropy(logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
     """Mean cross-entropy over the target tokens (labels != IGNORE_INDEX), in fp32: 0, not NaN, for
     a micro-batch without any (a loss-masked SFT batch can hold none; the loop then weighs it 0).
     Bitwise F.cross_entropy's mean otherwise (its mean is this sum over the same count)."""
-    import torch.nn.functional as F
-
-    labels = labels.flatten()
-    total = F.cross_entropy(logits.float().flatten(0, 1), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return summed_cross_entropy(logits, labels) / target_count(labels)
 
 
 def lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
@@ -52,7 +61,7 @@ def te_fused_lm_loss(model: "nn.Module", batch: dict) -> "torch.Tensor":
     in_place = {"overwrite_input": True} if _te_ce_overwrites(parallel_cross_entropy) else {}
     per_token = parallel_cross_entropy(_gpt_logits(model, batch), labels, reduce_loss=False, ignore_idx=IGNORE_INDEX,
                                        **in_place)
-    return per_token.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return per_token.sum() / target_count(labels)
 
 
 @functools.lru_cache(maxsize=None)

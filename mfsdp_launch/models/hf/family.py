@@ -172,11 +172,7 @@ class HFFamily(MeasuredFamily):
         if chunked:
             from .. import chunked_loss
             from ..losses import hf_logits
-
-            loss = chunked_loss.chunked(hf_logits)
-        else:
-            loss = hf_loss
-        moe = {}
+        loss, moe = chunked_loss.chunked(hf_logits) if chunked else hf_loss, {}
         if p.get("moe"):  # routed experts: the balancing loss and the expert loads (router_loss.py)
             from .router_loss import after_step, attach, with_router_loss
 
