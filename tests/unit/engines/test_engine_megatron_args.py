@@ -212,7 +212,6 @@ def test_hfsdp_helper_buffer_gets_the_main_buffers_gradient_scaling():
 
 
 def test_tied_meta_parameters_are_materialized_once_for_every_module_that_holds_them():
-    torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from mfsdp_launch.engines.megatron import _materialize_shared_params
     from mfsdp_launch.models.hf.model import support_module_init
