@@ -1,7 +1,8 @@
 """mfsdp-generate's decode speed on one GPU (issue 29: the 1.4b gpt, batch 1, greedy, bf16, KV cache).
 
 Trains the model for one step through `mfsdp-train` (engine=fsdp2, one process) so that a real
-checkpoint exists, then runs `mfsdp-generate` on it eager and with `--compile`, each twice, and
+checkpoint exists, then runs `mfsdp-generate` on it with each `--decoder` (eager, compile: torch.compile
+in a CUDA graph, triton: the fused kernels in a CUDA graph, the default on a GPU), each twice, and
 prints one JSON object with every tokens/s figure and the commands that produced them.
 
     python3 scripts/bench_generate.py --run-dir /tmp/gen14 --preset 1.4b --new-tokens 512 > gen.json
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--prompt", default="def main(argv=None):\n    ")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--decoders", default="triton,compile,eager")
     args = p.parse_args(argv)
 
     train = [sys.executable, "-m", "mfsdp_launch", "model=gpt", f"model.preset={args.preset}", "engine=fsdp2",
@@ -42,14 +44,13 @@ def main(argv=None) -> int:
     run(train, timeout=900)
     result = {"preset": args.preset, "new_tokens": args.new_tokens, "train_cmd": shlex.join(["mfsdp-train", *train[3:]]),
               "train_s": round(time.time() - t0, 1), "rows": []}
-    for compiled in (False, True):
+    for decoder in args.decoders.split(","):
         gen = [sys.executable, "-m", "mfsdp_launch.tools.generate", args.run_dir, "--prompt", args.prompt,
-               "--max-new-tokens", str(args.new_tokens), "--ignore-eos", "--dtype", "bf16", "--json"]
-        if compiled:
-            gen.append("--compile")
+               "--max-new-tokens", str(args.new_tokens), "--ignore-eos", "--dtype", "bf16", "--json",
+               "--decoder", decoder]
         for attempt in range(args.repeats):
             row = json.loads(run(gen, timeout=900).stdout.strip().splitlines()[-1])
-            result["rows"].append({"compile": compiled, "attempt": attempt, "tokens_per_s": row["tokens_per_s"],
+            result["rows"].append({"decoder": decoder, "attempt": attempt, "tokens_per_s": row["tokens_per_s"],
                                    "seconds": row["seconds"], "new_tokens": row["new_tokens"],
                                    "cmd": shlex.join(["mfsdp-generate", *gen[3:]])})
     print(json.dumps(result, indent=1))

@@ -5,8 +5,9 @@ the kernels' summed GPU time per token against the wall time per token, and the 
 
     python3 scripts/profile_generate.py --preset 1.4b --max-len 1024 > profile.jsonl  # a line a setting, then all
 
-Settings (Inductor config patched while the step compiles): `shipped` is tools/generate.py as it
-is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate descent tuning, which turns every
+Settings: `triton` is the fused kernels (models/llama/fused_decode.py, mfsdp-generate's default on
+a GPU); the rest are torch.compile's step under an Inductor config patched while it compiles:
+`shipped` is `--decoder compile` as it is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate descent tuning, which turns every
 [1, d] x [d, n] matmul into a tuned Triton reduction fused with its neighbours (gpt-fast's setting);
 `autotune` (not in the default list: its compile takes minutes) lets Inductor time cuBLAS against
 its Triton templates for every matmul shape and keep the faster.
@@ -54,13 +55,24 @@ def kernel_table(torch, call, n: int, sync) -> dict:
             "top": [{"kernel": k[:110], "us": round(v[0] / n, 2), "calls": v[1] / n} for k, v in top]}
 
 
+def _tiles() -> dict:
+    """The tile each fused kernel's autotuner picked, per shape key."""
+    from mfsdp_launch.models.llama import decode_kernels
+
+    out = {}
+    for name in ("gemv", "swiglu", "qkv_rope_cache"):
+        for key, cfg in getattr(getattr(decode_kernels, name), "cache", {}).items():
+            out[f"{name}{list(key)[:4]}"] = f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}"
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="1.4b")
     p.add_argument("--max-len", type=int, default=1024, help="the cache length (prompt + new tokens)")
     p.add_argument("--tokens", type=int, default=512, help="timed replays per setting")
     p.add_argument("--profile-tokens", type=int, default=8)
-    p.add_argument("--settings", default="shipped,cdt")
+    p.add_argument("--settings", default="triton,shipped")
     p.add_argument("--device", default="cuda", help="cuda (cpu only checks this script)")
     args = p.parse_args(argv)
 
@@ -77,9 +89,10 @@ def main(argv=None) -> int:
     from mfsdp_launch.models.llama.dims import resolve_gpt_dims
     from mfsdp_launch.models.llama.gpt_modules import GPT
     from mfsdp_launch.models.llama.kv_cache import decode_step
-    from mfsdp_launch.tools.generate import compiled_decoder
+    from mfsdp_launch.models.llama.fused_decode import FusedDecoder
+    from mfsdp_launch.tools.generate import graphed_decoder
 
-    settings = {"shipped": {}, "cdt": {"coordinate_descent_tuning": True},
+    settings = {"triton": {}, "shipped": {}, "cdt": {"coordinate_descent_tuning": True},
                 "autotune": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"}}
     torch.manual_seed(0)
     dims = resolve_gpt_dims(SimpleNamespace(preset=args.preset))
@@ -92,7 +105,7 @@ def main(argv=None) -> int:
         torch._dynamo.reset()
         t0 = time.perf_counter()
         with inductor_config.patch(settings[name]):  # the step compiles and is captured in here
-            step, cache = compiled_decoder(model, args.max_len)
+            step, cache = graphed_decoder(model, args.max_len, "triton" if name == "triton" else "compile")
         compile_s = time.perf_counter() - t0
         token = torch.ones((1, 1), dtype=torch.long, device=dev)
         pos = torch.tensor(args.max_len // 2, device=dev)
@@ -112,9 +125,13 @@ def main(argv=None) -> int:
         # The replays' kernels (CUPTI may show a captured graph's kernels or only the graph), then the
         # same compiled step launched without the graph (its kernels one by one).
         row["graph"] = kernel_table(torch, lambda: step(model, token, pos, cache), args.profile_tokens, sync)
-        with inductor_config.patch(settings[name]):
-            bare = torch.compile(decode_step, fullgraph=True)
-            row["no_graph"] = kernel_table(torch, lambda: bare(model, token, pos, cache), args.profile_tokens, sync)
+        if name == "triton":
+            bare = FusedDecoder(model, cache)
+            row["tiles"] = _tiles()
+        else:
+            with inductor_config.patch(settings[name]):
+                bare = torch.compile(decode_step, fullgraph=True)
+        row["no_graph"] = kernel_table(torch, lambda: bare(model, token, pos, cache), args.profile_tokens, sync)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)  # row by row: a call that runs out of time keeps the rows done
         print(f"{name}: {row['tokens_per_s']} tokens/s, {row['ms_per_token']} ms/token, compile "

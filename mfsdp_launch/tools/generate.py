@@ -8,8 +8,9 @@ Face directory, on one GPU or the CPU.
 RUN_OR_DIR is a run, `checkpoints/` or step directory (the newest intact checkpoint unless
 `--step`), or an HF directory. Decoding is greedy at `--temperature 0` (the default), else
 sampled, after `--top-k` and `--top-p` (nucleus) filtering. `model=gpt` decodes with a KV cache
-(models/llama/kv_cache.py); `model=hf` and HF directories use transformers' `generate` with its
-cache. `--chat` wraps each prompt in the tokenizer's chat template. The tokenizer is the run's
+(models/llama/kv_cache.py), on a GPU through fused Triton kernels replayed as one CUDA graph
+(models/llama/fused_decode.py; `--decoder` picks another step); `model=hf` and HF directories use
+transformers' `generate` with its cache. `--chat` wraps each prompt in the tokenizer's chat template. The tokenizer is the run's
 (tools/run_tokenizer.py) or `--tokenizer`. Each completion is printed with the new tokens and
 tokens/s; `--json` prints one JSON object per prompt instead. Bad input: one line, exit 2.
 """
@@ -50,7 +51,7 @@ def sample_next(logits, *, temperature: float = 0.0, top_k: int = 0, top_p: floa
 def generate_gpt(model, prompt: List[int], *, max_new_tokens: int, eos_id: Optional[int], cache=None, step=None,
                  generator=None, **sampling) -> List[int]:
     """New token ids after `prompt` for the built-in gpt, batch 1, with a KV cache (`cache`, `step`:
-    a preallocated cache and a compiled decode step, see `compiled_decoder`)."""
+    a preallocated cache and a captured decode step, see `graphed_decoder`)."""
     import torch
 
     from ..models.llama.kv_cache import KVCache, decode_step, prefill
@@ -72,34 +73,52 @@ def generate_gpt(model, prompt: List[int], *, max_new_tokens: int, eos_id: Optio
     return torch.cat(out).tolist() if out else []
 
 
-def compiled_decoder(model, max_len: int):
-    """(a compiled decode step, one cache of `max_len` for every prompt). On a GPU the compiled
+DECODERS = ("auto", "eager", "compile", "triton")
+
+
+def pick_decoder(choice: str, model) -> str:
+    """The decode step `--decoder` asks for: `auto` takes the fused Triton kernels wherever they
+    run (a GPU, model=gpt, batch 1), else eager; an explicit `triton` they cannot serve is refused."""
+    from ..models.llama import fused_decode
+
+    reason = fused_decode.unsupported(model)
+    if choice == "triton" and reason:
+        raise ConfigError("--decoder", f"triton: {reason}", "--decoder compile (torch.compile) or eager")
+    if choice == "auto":
+        return "eager" if reason else "triton"
+    return choice
+
+
+def graphed_decoder(model, max_len: int, decoder: str = "triton"):
+    """(a decode step, one cache of `max_len` for every prompt): `triton` is the fused kernels of
+    models/llama/fused_decode.py, `compile` torch.compile of kv_cache.decode_step. On a GPU the
     step is captured once in a CUDA graph over static token/position buffers and the cache, and
-    each token replays it, so no token pays Python or kernel-launch time (on one H200 the 1.4b
-    takes ~1.53 ms a token, 1.40 of them in kernels, 0.96 in cuBLAS's GEMVs:
+    each token replays it, so no token pays Python or launch time (on one H200, the 1.4b's
+    compiled step took 1.53 ms a token, 0.96 of them in cuBLAS's GEMVs:
     bench/reports/2026-12-02-session13-*)."""
     import torch
 
+    from ..models.llama.fused_decode import FusedDecoder
     from ..models.llama.kv_cache import KVCache, decode_step
 
     cache = KVCache.for_model(model, 1, max_len)
     # No cudagraph trees (mode=reduce-overhead): the step writes the cache in place, and our own
     # capture below needs no heuristics about which inputs stay put.
-    compiled = torch.compile(decode_step, fullgraph=True)
+    step = FusedDecoder(model, cache) if decoder == "triton" else torch.compile(decode_step, fullgraph=True)
     device = model.tok_emb.weight.device
     if device.type != "cuda":
-        return compiled, cache
+        return step, cache
     token = torch.zeros((1, 1), dtype=torch.long, device=device)
     pos = torch.zeros((), dtype=torch.long, device=device)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(3):  # compile and warm up (cuBLAS workspaces, autotuning) before capturing
-            compiled(model, token, pos, cache)
+        for _ in range(3):  # compile and warm up (autotuning, cuBLAS workspaces) before capturing
+            step(model, token, pos, cache)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
-        logits = compiled(model, token, pos, cache)
+        logits = step(model, token, pos, cache)
 
     def replay(_model, input_ids, position, _cache):
         token.copy_(input_ids)
@@ -176,17 +195,18 @@ def run(args) -> int:
     else:
         raise ConfigError("RUN", f"model={pm.family} has no generation path here", "a model=gpt or model=hf run, "
                           "or a Hugging Face directory (mfsdp-export --format hf)")
-    if args.compile and generate is not generate_gpt:
-        raise ConfigError("--compile", "compiles the model=gpt decode step; a transformers model decodes with "
-                          "its own generate")
+    if args.decoder not in ("auto", "eager") and generate is not generate_gpt:
+        raise ConfigError("--decoder", f"{args.decoder} is a model=gpt decode step; a transformers model decodes "
+                          "with its own generate", "--decoder auto")
+    decoder = pick_decoder(args.decoder, pm.model) if generate is generate_gpt else "eager"
     eos = None if args.ignore_eos else codec.eos_id
     gen = torch.Generator(device=device).manual_seed(args.seed)
     top = max(max(ids) for ids in encoded)
     if top >= vocab:
         raise ConfigError("--tokenizer", f"{codec.name} gives id {top}, outside the model's vocab of {vocab}")
     extra = {}
-    if args.compile:  # compiled and warmed up (untimed) before the first prompt
-        step, cache = compiled_decoder(pm.model, max(map(len, encoded)) + args.max_new_tokens)
+    if decoder != "eager":  # built, compiled and warmed up (untimed) before the first prompt
+        step, cache = graphed_decoder(pm.model, max(map(len, encoded)) + args.max_new_tokens, decoder)
         extra = {"step": step, "cache": cache}
         with torch.inference_mode():
             generate_gpt(pm.model, encoded[0], max_new_tokens=4, eos_id=None, **extra)
@@ -204,11 +224,11 @@ def run(args) -> int:
         if args.json:
             print(json.dumps({"prompt": text, "prompt_ids": ids, "ids": new, "completion": completion,
                               "new_tokens": len(new), "seconds": round(seconds, 4), "tokens_per_s": round(rate, 1),
-                              "source": str(pm.source), "step": pm.step}), flush=True)
+                              "source": str(pm.source), "step": pm.step, "decoder": decoder}), flush=True)
         else:
             print(completion if args.chat else text + completion, flush=True)
             print(f"{PROG}: {len(new)} new tokens in {seconds:.2f} s ({rate:,.1f} tokens/s; {len(ids)}-token prompt; "
-                  f"{where}; {device.type} {str(dtype).replace('torch.', '')})", flush=True)
+                  f"{where}; {device.type} {str(dtype).replace('torch.', '')}; {decoder} decoder)", flush=True)
     return 0
 
 
@@ -252,8 +272,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, else fp32) | fp32 | bf16 | fp16")
-    p.add_argument("--compile", action="store_true",
-                   help="model=gpt: torch.compile the decode step (on a GPU, replayed as one CUDA graph)")
+    p.add_argument("--decoder", choices=DECODERS, default="auto",
+                   help="model=gpt's decode step: triton (fused kernels; a GPU), compile (torch.compile), eager; "
+                        "on a GPU the first two replay one CUDA graph. auto: triton where it runs, else eager")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     return p
 

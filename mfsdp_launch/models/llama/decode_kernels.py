@@ -1,0 +1,186 @@
+"""Triton kernels of the batch-1 decode step (models/llama/fused_decode.py launches them).
+
+Decoding one token reads every weight once, so a step is as fast as its matrix-vector products
+stream weights and as slow as its small kernels are many. Each kernel here is one GEMV with its
+neighbours folded in, so a layer takes five launches (plus a tiny combine) instead of ~14:
+
+    qkv_rope_cache : RMSNorm(x) -> wqkv -> RoPE on q and k -> q out, k and v into the cache at pos
+    attention_split: one (head, slice of the cache) of flash-decoding, up to pos only
+    attention_merge: the slices' softmax partials of one head -> its output
+    gemv           : [RMSNorm(x) ->] W x [+ residual, in place]   (wo, w_down, the head)
+    swiglu         : RMSNorm(x) -> w_gate_up -> silu(gate) * up
+
+Roundings follow the eager module (gpt_modules.py): the norm's, each projection's and RoPE's
+outputs are rounded to the weights' dtype, sums are fp32. `pos` is read from device memory, so one
+CUDA graph serves every position.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# (rows per program, K-block, warps, pipeline stages) timed per weight shape at the first launch; a
+# captured graph replays the winner. The paired kernels take rows two by two (a RoPE pair, a gate
+# and its up row), so their B is half the rows.
+_TILES = [(4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (8, 512, 4, 4),
+          (4, 1024, 4, 3), (32, 256, 8, 3)]
+if os.environ.get("TRITON_INTERPRET") == "1":  # no GPU to time tiles on: one, with masked K blocks on small dims
+    _TILES = _TILES[1:2]
+_GEMV_CONFIGS = [triton.Config({"R": r, "BLOCK_K": k}, num_warps=w, num_stages=s) for r, k, w, s in _TILES]
+_PAIRED_CONFIGS = [triton.Config({"B": r // 2, "BLOCK_K": k}, num_warps=w, num_stages=s) for r, k, w, s in _TILES]
+
+
+def _even_k(args) -> bool:
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+@triton.jit
+def _inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    acc = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        acc += v * v
+    return tl.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
+def _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, row_ok, K, NORM: tl.constexpr, EVEN_K: tl.constexpr,
+              R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 sums of W[rows, :] * x' ([R]), x' = x * inv_rms * g rounded (NORM) or x."""
+    acc = tl.zeros([R, BLOCK_K], tl.float32)
+    rows = rows.to(tl.int64)  # rows * K passes 2**31 for big heads
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + cols)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
+                        other=0.0)
+        if NORM:
+            g = tl.load(g_ptr + cols, mask=cols < K, other=0.0)
+            x = (x.to(tl.float32) * inv_rms * g.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "RESIDUAL"], restore_value=["out_ptr"])
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def gemv(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+         EVEN_K: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[N] = W[N, K] @ x' (x' = RMSNorm(x; g) under NORM), plus out's own values under RESIDUAL."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    row_ok = rows < N
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
+    else:
+        inv_rms = 1.0
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, row_ok, K, NORM, EVEN_K, R, BLOCK_K)
+    y = y.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        y = (tl.load(out_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(y.dtype)
+    tl.store(out_ptr + rows, y, mask=row_ok)
+
+
+@triton.autotune(configs=_PAIRED_CONFIGS, key=["N", "K"])
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def swiglu(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, EVEN_K: tl.constexpr, B: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """out[N] = silu(gate) * up of W = [gate; up] ([2N, K]) @ RMSNorm(x; g)."""
+    pair = tl.arange(0, 2 * B)
+    first = tl.program_id(0) * B
+    rows = first + pair // 2 + (pair % 2) * N  # gate row j beside up row N + j
+    row_ok = first + pair // 2 < N
+    inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, row_ok, K, True, EVEN_K, 2 * B, BLOCK_K)
+    gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (B, 2)))
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    j = first + tl.arange(0, B)
+    tl.store(out_ptr + j, (act * up).to(out_ptr.dtype.element_ty), mask=j < N)
+
+
+@triton.autotune(configs=_PAIRED_CONFIGS, key=["K", "N_HEADS", "N_KV", "HEAD_DIM"])
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def qkv_rope_cache(x_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, K, eps, cache_len,
+                   N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_K: tl.constexpr,
+                   B: tl.constexpr, BLOCK_K: tl.constexpr):
+    """wqkv @ RMSNorm(x; g): q heads rotated into q_ptr, the kv heads' k (rotated) and v into row
+    `pos` of the caches ([N_KV, cache_len, HEAD_DIM] each). A program owns B rotation pairs of a head."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    per_head = tl.cdiv(HALF, B)
+    head = tl.program_id(0) // per_head
+    i = (tl.program_id(0) % per_head) * B + tl.arange(0, B)  # the pairs' index in the first half
+    pair = tl.arange(0, 2 * B)
+    in_half = (tl.program_id(0) % per_head) * B + pair // 2
+    rows = head * HEAD_DIM + in_half + (pair % 2) * HALF
+    inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, in_half < HALF, K, True, EVEN_K, 2 * B, BLOCK_K)
+    lo, hi = tl.split(tl.reshape(y.to(q_ptr.dtype.element_ty).to(tl.float32), (B, 2)))
+    pos = tl.load(pos_ptr)
+    if head < N_HEADS + N_KV:  # q and k turn by the position's angles ("rotate half", as apply_rope)
+        angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + i, mask=i < HALF, other=0.0)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    if head < N_HEADS:
+        dst = q_ptr + head * HEAD_DIM
+    elif head < N_HEADS + N_KV:
+        dst = k_cache_ptr + ((head - N_HEADS) * cache_len + pos) * HEAD_DIM
+    else:
+        dst = v_cache_ptr + ((head - N_HEADS - N_KV) * cache_len + pos) * HEAD_DIM
+    tl.store(dst + i, lo.to(q_ptr.dtype.element_ty), mask=i < HALF)
+    tl.store(dst + HALF + i, hi.to(q_ptr.dtype.element_ty), mask=i < HALF)
+
+
+@triton.jit
+def attention_split(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, cache_len, scale,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Softmax partials (running max, sum, weighted values) of one query head over one slice of
+    cache positions 0..pos; the slices split the valid length, so no program reads past pos."""
+    head, split = tl.program_id(0), tl.program_id(1)
+    n = tl.load(pos_ptr) + 1
+    chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_L) * BLOCK_L
+    start = split * chunk
+    end = tl.minimum(start + chunk, n)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + head * HEAD_DIM + d).to(tl.float32) * scale
+    kv = (head // GROUP) * cache_len * HEAD_DIM
+    m = tl.full([], -1e30, tl.float32)  # finite, so an empty slice merges with weight exp(-huge) = 0
+    total = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for l0 in range(start, end, BLOCK_L):
+        at = l0 + tl.arange(0, BLOCK_L)
+        ok = at < end
+        k = tl.load(k_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        s = tl.where(ok, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 0))
+        p = tl.exp(s - m_new)
+        keep = tl.exp(m - m_new)
+        v = tl.load(v_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * keep + tl.sum(p[:, None] * v.to(tl.float32), 0)
+        total = total * keep + tl.sum(p, 0)
+        m = m_new
+    slot = head * SPLITS + split
+    tl.store(m_ptr + slot, m)
+    tl.store(l_ptr + slot, total)
+    tl.store(acc_ptr + slot * HEAD_DIM + d, acc)
+
+
+@triton.jit
+def attention_merge(m_ptr, l_ptr, acc_ptr, out_ptr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    """One head's output from its slices' partials, rounded to out's dtype."""
+    head = tl.program_id(0)
+    slots = head * SPLITS + tl.arange(0, SPLITS)
+    m = tl.load(m_ptr + slots)
+    weight = tl.exp(m - tl.max(m, 0))
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(acc_ptr + slots[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(tl.load(l_ptr + slots) * weight, 0)
+    tl.store(out_ptr + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
