@@ -126,6 +126,7 @@ def graphed_decoder(model, max_len: int, decoder: str = "triton"):
         graph.replay()
         return logits
 
+    replay.step = step  # the graph reads and writes the fused step's own buffers: they live as long as it
     return replay, cache
 
 

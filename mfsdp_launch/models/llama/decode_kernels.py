@@ -23,14 +23,19 @@ import triton
 import triton.language as tl
 
 # (rows per program, K-block, warps, pipeline stages) timed per weight shape at the first launch; a
-# captured graph replays the winner. The paired kernels take rows two by two (a RoPE pair, a gate
-# and its up row), so their B is half the rows.
-_TILES = [(4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (8, 512, 4, 4),
-          (4, 1024, 4, 3), (32, 256, 8, 3)]
+# captured graph replays the winner. A GEMV streams its weights, so what a tile decides is how many
+# bytes each program has in flight (R x BLOCK_K) against how many programs there are: a 2048-row
+# projection split 32 rows a program leaves half of an H200's 132 SMs idle (session 18: the first
+# tiles ran wo and w_down at 1.6 TB/s), so the wide tiles of few rows are there for the short
+# matrices. The paired kernels take rows two by two (a RoPE pair, a gate and its up row): B = R / 2.
+_TILES = [(8, 256, 4, 3), (4, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3),
+          (4, 1024, 4, 2), (8, 1024, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2), (4, 2048, 4, 2), (4, 2048, 8, 2),
+          (8, 2048, 8, 2), (2, 2048, 4, 2), (2, 4096, 8, 2), (4, 4096, 8, 2)]
 if os.environ.get("TRITON_INTERPRET") == "1":  # no GPU to time tiles on: one, with masked K blocks on small dims
-    _TILES = _TILES[1:2]
+    _TILES = _TILES[:1]
 _GEMV_CONFIGS = [triton.Config({"R": r, "BLOCK_K": k}, num_warps=w, num_stages=s) for r, k, w, s in _TILES]
-_PAIRED_CONFIGS = [triton.Config({"B": r // 2, "BLOCK_K": k}, num_warps=w, num_stages=s) for r, k, w, s in _TILES]
+_PAIRED_CONFIGS = [triton.Config({"B": r // 2, "BLOCK_K": k}, num_warps=w, num_stages=s)
+                   for r, k, w, s in _TILES if r >= 4]
 
 
 def _even_k(args) -> bool:
@@ -57,11 +62,12 @@ def _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, row_ok, K, NORM: tl.constexpr,
         cols = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x = tl.load(x_ptr + cols)
-            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0,
+                        eviction_policy="evict_first")
         else:
             x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
             w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
-                        other=0.0)
+                        other=0.0, eviction_policy="evict_first")
         if NORM:
             g = tl.load(g_ptr + cols, mask=cols < K, other=0.0)
             x = (x.to(tl.float32) * inv_rms * g.to(tl.float32)).to(x_ptr.dtype.element_ty)
