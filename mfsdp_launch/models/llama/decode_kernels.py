@@ -2,11 +2,10 @@
 
 Decoding one token reads every weight once, so a step is as fast as its matrix-vector products
 stream weights and as slow as its small kernels are many. Each kernel here is one GEMV with its
-neighbours folded in, so a layer takes five launches (plus a tiny combine) instead of ~14:
+neighbours folded in, so a layer takes five launches instead of ~14:
 
     qkv_rope_cache : RMSNorm(x) -> wqkv -> RoPE on q and k -> q out, k and v into the cache at pos
-    attention_split: one (head, slice of the cache) of flash-decoding, up to pos only
-    attention_merge: the slices' softmax partials of one head -> its output
+    attention      : flash-decoding over slices of the cache up to pos, the slices merged in-kernel
     gemv           : [RMSNorm(x) ->] W x [+ residual, in place]   (wo, w_down, the head)
     swiglu         : RMSNorm(x) -> w_gate_up -> silu(gate) * up
 
@@ -146,10 +145,12 @@ def qkv_rope_cache(x_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, q_ptr, k_cache_pt
 
 
 @triton.jit
-def attention_split(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, cache_len, scale,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Softmax partials (running max, sum, weighted values) of one query head over one slice of
-    cache positions 0..pos; the slices split the valid length, so no program reads past pos."""
+def attention(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, done_ptr, out_ptr, cache_len, scale,
+              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Flash-decoding: program (head, split) computes the softmax partials (running max, sum,
+    weighted values) of one query head over one slice of cache positions 0..pos (the slices split
+    the valid length, so no program reads past pos); the last of a head's programs to finish merges
+    them into the head's output, so attention is one launch."""
     head, split = tl.program_id(0), tl.program_id(1)
     n = tl.load(pos_ptr) + 1
     chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_L) * BLOCK_L
@@ -177,16 +178,15 @@ def attention_split(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_
     tl.store(m_ptr + slot, m)
     tl.store(l_ptr + slot, total)
     tl.store(acc_ptr + slot * HEAD_DIM + d, acc)
-
-
-@triton.jit
-def attention_merge(m_ptr, l_ptr, acc_ptr, out_ptr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
-    """One head's output from its slices' partials, rounded to out's dtype."""
-    head = tl.program_id(0)
-    slots = head * SPLITS + tl.arange(0, SPLITS)
-    m = tl.load(m_ptr + slots)
-    weight = tl.exp(m - tl.max(m, 0))
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(acc_ptr + slots[:, None] * HEAD_DIM + d[None, :])
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(tl.load(l_ptr + slots) * weight, 0)
-    tl.store(out_ptr + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+    # Every thread's partials are written before one thread counts this program in (the release of
+    # the count publishes them, as in CUDA's threadfence reduction); the last one's loads skip L1,
+    # which may hold another step's partials.
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr + head, 1, sem="acq_rel") == SPLITS - 1:
+        slots = head * SPLITS + tl.arange(0, SPLITS)
+        ms = tl.load(m_ptr + slots, cache_modifier=".cg")
+        weight = tl.exp(ms - tl.max(ms, 0))
+        accs = tl.load(acc_ptr + slots[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
+        out = tl.sum(accs * weight[:, None], 0) / tl.sum(tl.load(l_ptr + slots, cache_modifier=".cg") * weight, 0)
+        tl.store(out_ptr + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+        tl.store(done_ptr + head, 0)  # ready for the next layer's launch

@@ -1,4 +1,4 @@
-"""The gpt's batch-1 decode step in Triton kernels (decode_kernels.py): six launches a layer, each
+"""The gpt's batch-1 decode step in Triton kernels (decode_kernels.py): five launches a layer, each
 GEMV with the norm, RoPE, cache write, SiLU-mul or residual add beside it, and attention that
 reads the cache only up to the position (flash-decoding over slices of it).
 
@@ -7,7 +7,7 @@ reads the cache only up to the position (flash-decoding over slices of it).
 
 Same signature and results as `kv_cache.decode_step` (same roundings; fp32 sums), with static
 buffers and `pos` read on the device, so tools/generate.py captures it once in a CUDA graph.
-`unsupported(model)` says why a model cannot take it (then the torch.compile step serves).
+`unsupported(model)` says why a model cannot take it (`--decoder auto` then decodes eagerly).
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors (the CPU tests do that).
 """
 
@@ -73,6 +73,7 @@ class FusedDecoder:
         self.part_max = torch.empty(d.n_heads * self.splits, **f32)
         self.part_sum = torch.empty(d.n_heads * self.splits, **f32)
         self.part_acc = torch.empty(d.n_heads * self.splits, d.head_dim, **f32)
+        self.slices_done = torch.zeros(d.n_heads, dtype=torch.int32, device=w.device)  # attention resets it
 
     def _splits(self, max_len: int, device) -> int:
         """Cache slices per head: enough programs to fill the GPU twice over, a power of two, and
@@ -96,12 +97,10 @@ class FusedDecoder:
             k.qkv_rope_cache[lambda m: (heads * triton.cdiv(hd // 2, m["B"]),)](
                 self.x, layer.attn_norm.weight, attn.wqkv.weight, self.inv_freq, pos, self.q, cache.keys[i],
                 cache.values[i], d.dim, eps, cache.max_len, N_HEADS=d.n_heads, N_KV=d.n_kv_heads, HEAD_DIM=hd)
-            k.attention_split[(d.n_heads, self.splits)](
+            k.attention[(d.n_heads, self.splits)](
                 self.q, cache.keys[i], cache.values[i], pos, self.part_max, self.part_sum, self.part_acc,
-                cache.max_len, 1.0 / math.sqrt(hd), GROUP=d.n_heads // d.n_kv_heads, HEAD_DIM=hd,
-                SPLITS=self.splits, BLOCK_L=self.BLOCK_L)
-            k.attention_merge[(d.n_heads,)](self.part_max, self.part_sum, self.part_acc, self.attn, HEAD_DIM=hd,
-                                            SPLITS=self.splits)
+                self.slices_done, self.attn, cache.max_len, 1.0 / math.sqrt(hd), GROUP=d.n_heads // d.n_kv_heads,
+                HEAD_DIM=hd, SPLITS=self.splits, BLOCK_L=self.BLOCK_L)
             self._gemv(self.attn, None, attn.wo.weight, self.x)
             n_ffn = self.ffn.numel()
             k.swiglu[lambda m: (triton.cdiv(n_ffn, m["B"]),)](
