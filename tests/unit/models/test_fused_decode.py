@@ -14,9 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-# Dims that reach every masked edge: K blocks past dim and ffn, vocab rows past the last tile, a
-# head_dim whose half is not a multiple of some tiles, GQA, and a cache of two attention tiles
-# split in two slices.
+# Dims that reach both K paths and every masked edge: dim a whole number of K blocks (unmasked
+# loads), ffn a K block past its end, vocab rows past the last tile, GQA, and a cache of two
+# attention tiles split in two slices.
 _SCRIPT = textwrap.dedent("""
     import json, torch
     from mfsdp_launch.models.llama.dims import GPTDims
@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent("""
     from mfsdp_launch.models.llama.kv_cache import KVCache, decode_step, prefill
     from mfsdp_launch.tools.generate import generate_gpt
 
-    dims = GPTDims(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=300,
+    dims = GPTDims(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=300,
                    tie_embeddings=False, norm_eps=1e-5, rope_theta=1e4)
     out = {}
     for dtype in ("float32", "bfloat16"):
