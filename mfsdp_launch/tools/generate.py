@@ -93,9 +93,8 @@ def graphed_decoder(model, max_len: int, decoder: str = "triton"):
     """(a decode step, one cache of `max_len` for every prompt): `triton` is the fused kernels of
     models/llama/fused_decode.py, `compile` torch.compile of kv_cache.decode_step. On a GPU the
     step is captured once in a CUDA graph over static token/position buffers and the cache, and
-    each token replays it, so no token pays Python or launch time (on one H200, the 1.4b's
-    compiled step took 1.53 ms a token, 0.96 of them in cuBLAS's GEMVs:
-    bench/reports/2026-12-02-session13-*)."""
+    each token replays it, so no token pays Python or launch time (on one H200 the 1.4b takes
+    1.11 ms a token fused, 1.57 compiled: bench/reports/2026-12-03-session18-*)."""
     import torch
 
     from ..models.llama.fused_decode import FusedDecoder
