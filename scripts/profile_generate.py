@@ -1,5 +1,5 @@
 """Where mfsdp-generate's decode time goes on one GPU (issue 29): the gpt preset with random weights
-(no checkpoint needed), batch 1, bf16, for each Inductor setting of the compiled decode step:
+(no checkpoint needed), batch 1, bf16, for each setting of the decode step (below):
 tokens/s of graph replays, then a kernel table of a few replays (torch.profiler, CUDA activity):
 the kernels' summed GPU time per token against the wall time per token, and the top kernels.
 
@@ -7,10 +7,11 @@ the kernels' summed GPU time per token against the wall time per token, and the 
 
 Settings: `triton` is the fused kernels (models/llama/fused_decode.py, mfsdp-generate's default on
 a GPU); the rest are torch.compile's step under an Inductor config patched while it compiles:
-`shipped` is `--decoder compile` as it is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate descent tuning, which turns every
-[1, d] x [d, n] matmul into a tuned Triton reduction fused with its neighbours (gpt-fast's setting);
-`autotune` (not in the default list: its compile takes minutes) lets Inductor time cuBLAS against
-its Triton templates for every matmul shape and keep the faster.
+`shipped` is `--decoder compile` as it is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate
+descent tuning, which turns every [1, d] x [d, n] matmul into a tuned Triton reduction fused with
+its neighbours (gpt-fast's setting); `autotune` (not in the default list: its compile takes
+minutes) lets Inductor time cuBLAS against its Triton templates for every matmul shape and keep
+the faster.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ RUN_OR_DIR is a run, `checkpoints/` or step directory (the newest intact checkpo
 sampled, after `--top-k` and `--top-p` (nucleus) filtering. `model=gpt` decodes with a KV cache
 (models/llama/kv_cache.py), on a GPU through fused Triton kernels replayed as one CUDA graph
 (models/llama/fused_decode.py; `--decoder` picks another step); `model=hf` and HF directories use
-transformers' `generate` with its cache. `--chat` wraps each prompt in the tokenizer's chat template. The tokenizer is the run's
-(tools/run_tokenizer.py) or `--tokenizer`. Each completion is printed with the new tokens and
-tokens/s; `--json` prints one JSON object per prompt instead. Bad input: one line, exit 2.
+transformers' `generate` with its cache. `--chat` wraps each prompt in the tokenizer's chat
+template. The tokenizer is the run's (tools/run_tokenizer.py) or `--tokenizer`. Each completion is
+printed with the new tokens and tokens/s; `--json` prints one JSON object per prompt instead. Bad
+input: one line, exit 2.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ import triton.language as tl
 _TILES = [(8, 256, 4, 3), (4, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3),
           (4, 1024, 4, 2), (8, 1024, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2), (4, 2048, 4, 2), (4, 2048, 8, 2),
           (8, 2048, 8, 2), (2, 2048, 4, 2), (2, 4096, 8, 2), (4, 4096, 8, 2)]
-if os.environ.get("TRITON_INTERPRET") == "1":  # no GPU to time tiles on: one, with masked K blocks on small dims
+if os.environ.get("TRITON_INTERPRET") == "1":  # no GPU to time tiles on: one (the CPU test's dims take
+    # both of its K paths, whole blocks and a masked last one)
     _TILES = _TILES[:1]
 _GEMV_CONFIGS = [triton.Config({"R": r, "BLOCK_K": k}, num_warps=w, num_stages=s) for r, k, w, s in _TILES]
 _PAIRED_CONFIGS = [triton.Config({"B": r // 2, "BLOCK_K": k}, num_warps=w, num_stages=s)
