@@ -55,6 +55,12 @@ def pick_device(name: str, key: str = "--device") -> "torch.device":
         raise ConfigError(key, f"unknown device {name!r}", "auto|cpu|cuda|cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(key, f"{name}, but this machine (or torch build) has no CUDA", "auto|cpu")
+    if device.type == "cuda" and device.index is not None:
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ConfigError(key, f"{name}, but this machine has {count} GPU(s)", f"cuda:0..cuda:{count - 1}")
+        # Triton launches on the current device, and CUDA graphs capture on its stream: make it this one.
+        torch.cuda.set_device(device)
     return device
 
 
