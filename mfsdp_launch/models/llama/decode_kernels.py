@@ -24,9 +24,9 @@ import triton.language as tl
 # (rows per program, K-block, warps, pipeline stages) timed per weight shape at the first launch; a
 # captured graph replays the winner. A GEMV streams its weights, so what a tile decides is how many
 # bytes each program has in flight (R x BLOCK_K) against how many programs there are: a 2048-row
-# projection split 32 rows a program leaves half of an H200's 132 SMs idle (session 18: the first
-# tiles ran wo and w_down at 1.6 TB/s), so the wide tiles of few rows are there for the short
-# matrices. The paired kernels take rows two by two (a RoPE pair, a gate and its up row): B = R / 2.
+# projection split 32 rows a program leaves half of an H200's 132 SMs idle (session 18: with only
+# such tiles wo, w_down and the head streamed at 1.6 TB/s, with these at 2.7), so the wide tiles of
+# few rows are there for the short matrices. The paired kernels take rows two by two (a RoPE pair, a gate and its up row): B = R / 2.
 _TILES = [(8, 256, 4, 3), (4, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3),
           (4, 1024, 4, 2), (8, 1024, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2), (4, 2048, 4, 2), (4, 2048, 8, 2),
           (8, 2048, 8, 2), (2, 2048, 4, 2), (2, 4096, 8, 2), (4, 4096, 8, 2)]
