@@ -26,7 +26,8 @@ import triton.language as tl
 # bytes each program has in flight (R x BLOCK_K) against how many programs there are: a 2048-row
 # projection split 32 rows a program leaves half of an H200's 132 SMs idle (session 18: with only
 # such tiles wo, w_down and the head streamed at 1.6 TB/s, with these at 2.7), so the wide tiles of
-# few rows are there for the short matrices. The paired kernels take rows two by two (a RoPE pair, a gate and its up row): B = R / 2.
+# few rows are there for the short matrices. The paired kernels take rows two by two (a RoPE pair,
+# a gate and its up row): B = R / 2.
 _TILES = [(8, 256, 4, 3), (4, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3),
           (4, 1024, 4, 2), (8, 1024, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2), (4, 2048, 4, 2), (4, 2048, 8, 2),
           (8, 2048, 8, 2), (2, 2048, 4, 2), (2, 4096, 8, 2), (4, 4096, 8, 2)]
@@ -53,9 +54,13 @@ def _inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, row_ok, K, NORM: tl.constexpr, EVEN_K: tl.constexpr,
+def _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM: tl.constexpr, EVEN_K: tl.constexpr,
               R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 sums of W[rows, :] * x' ([R]), x' = x * inv_rms * g rounded (NORM) or x."""
+    """fp32 sums of W[rows, :] * x' ([R]), x' = RMSNorm(x; g) rounded (NORM) or x."""
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
+    else:
+        inv_rms = 1.0
     acc = tl.zeros([R, BLOCK_K], tl.float32)
     rows = rows.to(tl.int64)  # rows * K passes 2**31 for big heads
     for k0 in range(0, K, BLOCK_K):
@@ -83,11 +88,7 @@ def gemv(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, RESIDUAL: 
     """out[N] = W[N, K] @ x' (x' = RMSNorm(x; g) under NORM), plus out's own values under RESIDUAL."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < N
-    if NORM:
-        inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
-    else:
-        inv_rms = 1.0
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, row_ok, K, NORM, EVEN_K, R, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM, EVEN_K, R, BLOCK_K)
     y = y.to(out_ptr.dtype.element_ty)
     if RESIDUAL:
         y = (tl.load(out_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(y.dtype)
@@ -104,8 +105,7 @@ def swiglu(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, EVEN_K: tl.constexpr, B: tl.
     first = tl.program_id(0) * B
     rows = first + pair // 2 + (pair % 2) * N  # gate row j beside up row N + j
     row_ok = first + pair // 2 < N
-    inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, row_ok, K, True, EVEN_K, 2 * B, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, True, EVEN_K, 2 * B, BLOCK_K)
     gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (B, 2)))
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     j = first + tl.arange(0, B)
@@ -127,8 +127,7 @@ def qkv_rope_cache(x_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, q_ptr, k_cache_pt
     pair = tl.arange(0, 2 * B)
     in_half = (tl.program_id(0) % per_head) * B + pair // 2
     rows = head * HEAD_DIM + in_half + (pair % 2) * HALF
-    inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, inv_rms, rows, in_half < HALF, K, True, EVEN_K, 2 * B, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, in_half < HALF, K, True, EVEN_K, 2 * B, BLOCK_K)
     lo, hi = tl.split(tl.reshape(y.to(q_ptr.dtype.element_ty).to(tl.float32), (B, 2)))
     pos = tl.load(pos_ptr)
     if head < N_HEADS + N_KV:  # q and k turn by the position's angles ("rotate half", as apply_rope)
