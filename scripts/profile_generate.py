@@ -6,7 +6,7 @@ the kernels' summed GPU time per token against the wall time per token, and the 
     python3 scripts/profile_generate.py --preset 1.4b --max-len 1024 > profile.jsonl  # a line a setting, then all
 
 Settings: `triton` is the fused kernels (models/llama/fused_decode.py, mfsdp-generate's default on
-a GPU); the rest are torch.compile's step under an Inductor config patched while it compiles:
+a GPU), `triton_nopdl` the same launched without programmatic dependent launch; the rest are torch.compile's step under an Inductor config patched while it compiles:
 `shipped` is `--decoder compile` as it is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate
 descent tuning, which turns every [1, d] x [d, n] matmul into a tuned Triton reduction fused with
 its neighbours (gpt-fast's setting); `autotune` (not in the default list: its compile takes
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     from mfsdp_launch.models.llama.fused_decode import FusedDecoder
     from mfsdp_launch.tools.generate import graphed_decoder
 
-    settings = {"triton": {}, "shipped": {}, "cdt": {"coordinate_descent_tuning": True},
+    settings = {"triton": {}, "triton_nopdl": {}, "shipped": {}, "cdt": {"coordinate_descent_tuning": True},
                 "autotune": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"}}
     torch.manual_seed(0)
     dims = resolve_gpt_dims(SimpleNamespace(preset=args.preset))
@@ -102,11 +102,16 @@ def main(argv=None) -> int:
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     out = {"preset": args.preset, "max_len": args.max_len, "weight_gb": round(weight_bytes / 1e9, 3),
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "rows": []}
+    from mfsdp_launch.models.llama import fused_decode
+
+    has_pdl = fused_decode._pdl
     for name in args.settings.split(","):
         torch._dynamo.reset()
+        fused = name.startswith("triton")
+        fused_decode._pdl = has_pdl if name != "triton_nopdl" else (lambda device: False)
         t0 = time.perf_counter()
         with inductor_config.patch(settings[name]):  # the step compiles and is captured in here
-            step, cache = graphed_decoder(model, args.max_len, "triton" if name == "triton" else "compile")
+            step, cache = graphed_decoder(model, args.max_len, "triton" if fused else "compile")
         compile_s = time.perf_counter() - t0
         token = torch.ones((1, 1), dtype=torch.long, device=dev)
         pos = torch.tensor(args.max_len // 2, device=dev)
@@ -126,8 +131,9 @@ def main(argv=None) -> int:
         # The replays' kernels (CUPTI may show a captured graph's kernels or only the graph), then the
         # same compiled step launched without the graph (its kernels one by one).
         row["graph"] = kernel_table(torch, lambda: step(model, token, pos, cache), args.profile_tokens, sync)
-        if name == "triton":
+        if fused:
             bare = FusedDecoder(model, cache)
+            row["pdl"] = bare.pdl
             row["tiles"] = _tiles()
         else:
             bare = torch.compile(decode_step, fullgraph=True)

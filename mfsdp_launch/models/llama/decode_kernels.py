@@ -12,14 +12,26 @@ neighbours folded in, so a layer takes five launches instead of ~14:
 Roundings follow the eager module (gpt_modules.py): the norm's, each projection's and RoPE's
 outputs are rounded to the weights' dtype, sums are fp32. `pos` is read from device memory, so one
 CUDA graph serves every position.
+
+Under PDL (programmatic dependent launch, Hopper and later) each kernel is launched while the one
+before it finishes: it first requests what the previous kernel does not write (its first weight
+block; attention its cache rows before `pos`), then waits for that kernel (`gdc_wait`) and lets
+the next one launch. Since every kernel waits before it lets the next one in, whatever the kernels
+before the previous one wrote is already visible before the wait.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import triton
 import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: callers pass PDL=False
+    gdc_launch_dependents = gdc_wait = None
 
 # (rows per program, K-block, warps, pipeline stages) timed per weight shape at the first launch; a
 # captured graph replays the winner. A GEMV streams its weights, so what a tile decides is how many
@@ -34,6 +46,9 @@ _TILES = [(8, 256, 4, 3), (4, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 
 if os.environ.get("TRITON_INTERPRET") == "1":  # no GPU to time tiles on: one (the CPU test's dims take
     # both of its K paths, whole blocks and a masked last one)
     _TILES = _TILES[:1]
+# Where the installed Triton can, a shape's timings are kept in its cache dir, so only the first
+# process that decodes a shape pays the ~26 s of timing 16 tiles for five kernels.
+_KEEP = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 _GEMV_CONFIGS = [triton.Config({"R": r, "BLOCK_K": k}, num_warps=w, num_stages=s) for r, k, w, s in _TILES]
 _PAIRED_CONFIGS = [triton.Config({"B": r // 2, "BLOCK_K": k}, num_warps=w, num_stages=s)
                    for r, k, w, s in _TILES if r >= 4]
@@ -54,70 +69,93 @@ def _inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _after_previous_kernel(PDL: tl.constexpr):
+    """Wait for the previous kernel's writes, then let the next kernel launch (no-op without PDL)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _weights(w_ptr, rows, row_ok, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [R, BLOCK_K] block of W at column k0 (zeros past K: the prefetch past the last block)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:  # k0 < K holds for the whole block or for none of it: a mask constant along the
+        # columns keeps the 128-bit loads that a per-column mask would split
+        in_k = (tl.zeros([1, BLOCK_K], tl.int32) + k0) < K
+    else:
+        in_k = (cols < K)[None, :]
+    return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & in_k, other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
 def _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM: tl.constexpr, EVEN_K: tl.constexpr,
-              R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 sums of W[rows, :] * x' ([R]), x' = RMSNorm(x; g) rounded (NORM) or x."""
+              PDL: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 sums of W[rows, :] * x' ([R]), x' = RMSNorm(x; g) rounded (NORM) or x. The first weight
+    block is requested before waiting on the kernel that wrote x; each next block while the current
+    one is summed."""
+    rows = rows.to(tl.int64)  # rows * K passes 2**31 for big heads
+    w = _weights(w_ptr, rows, row_ok, 0, K, EVEN_K, BLOCK_K)
+    _after_previous_kernel(PDL)
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
     else:
         inv_rms = 1.0
     acc = tl.zeros([R, BLOCK_K], tl.float32)
-    rows = rows.to(tl.int64)  # rows * K passes 2**31 for big heads
     for k0 in range(0, K, BLOCK_K):
+        w_next = _weights(w_ptr, rows, row_ok, k0 + BLOCK_K, K, EVEN_K, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x = tl.load(x_ptr + cols)
-            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0,
-                        eviction_policy="evict_first")
         else:
             x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
-                        other=0.0, eviction_policy="evict_first")
         if NORM:
             g = tl.load(g_ptr + cols, mask=cols < K, other=0.0)
             x = (x.to(tl.float32) * inv_rms * g.to(tl.float32)).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = w_next
     return tl.sum(acc, 1)
 
 
-@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "RESIDUAL"], restore_value=["out_ptr"])
+@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "RESIDUAL"], restore_value=["out_ptr"], **_KEEP)
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
-def gemv(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+def gemv(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
          EVEN_K: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[N] = W[N, K] @ x' (x' = RMSNorm(x; g) under NORM), plus out's own values under RESIDUAL."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < N
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM, EVEN_K, R, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM, EVEN_K, PDL, R, BLOCK_K)
     y = y.to(out_ptr.dtype.element_ty)
     if RESIDUAL:
         y = (tl.load(out_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(y.dtype)
     tl.store(out_ptr + rows, y, mask=row_ok)
 
 
-@triton.autotune(configs=_PAIRED_CONFIGS, key=["N", "K"])
+@triton.autotune(configs=_PAIRED_CONFIGS, key=["N", "K"], **_KEEP)
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
-def swiglu(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, EVEN_K: tl.constexpr, B: tl.constexpr,
+def swiglu(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, PDL: tl.constexpr, EVEN_K: tl.constexpr, B: tl.constexpr,
            BLOCK_K: tl.constexpr):
     """out[N] = silu(gate) * up of W = [gate; up] ([2N, K]) @ RMSNorm(x; g)."""
     pair = tl.arange(0, 2 * B)
     first = tl.program_id(0) * B
     rows = first + pair // 2 + (pair % 2) * N  # gate row j beside up row N + j
     row_ok = first + pair // 2 < N
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, True, EVEN_K, 2 * B, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, True, EVEN_K, PDL, 2 * B, BLOCK_K)
     gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (B, 2)))
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     j = first + tl.arange(0, B)
     tl.store(out_ptr + j, (act * up).to(out_ptr.dtype.element_ty), mask=j < N)
 
 
-@triton.autotune(configs=_PAIRED_CONFIGS, key=["K", "N_HEADS", "N_KV", "HEAD_DIM"])
+@triton.autotune(configs=_PAIRED_CONFIGS, key=["K", "N_HEADS", "N_KV", "HEAD_DIM"], **_KEEP)
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def qkv_rope_cache(x_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, K, eps, cache_len,
-                   N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_K: tl.constexpr,
-                   B: tl.constexpr, BLOCK_K: tl.constexpr):
+                   N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+                   EVEN_K: tl.constexpr, B: tl.constexpr, BLOCK_K: tl.constexpr):
     """wqkv @ RMSNorm(x; g): q heads rotated into q_ptr, the kv heads' k (rotated) and v into row
     `pos` of the caches ([N_KV, cache_len, HEAD_DIM] each). A program owns B rotation pairs of a head."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -127,7 +165,7 @@ def qkv_rope_cache(x_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, q_ptr, k_cache_pt
     pair = tl.arange(0, 2 * B)
     in_half = (tl.program_id(0) % per_head) * B + pair // 2
     rows = head * HEAD_DIM + in_half + (pair % 2) * HALF
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, in_half < HALF, K, True, EVEN_K, 2 * B, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, in_half < HALF, K, True, EVEN_K, PDL, 2 * B, BLOCK_K)
     lo, hi = tl.split(tl.reshape(y.to(q_ptr.dtype.element_ty).to(tl.float32), (B, 2)))
     pos = tl.load(pos_ptr)
     if head < N_HEADS + N_KV:  # q and k turn by the position's angles ("rotate half", as apply_rope)
@@ -146,31 +184,44 @@ def qkv_rope_cache(x_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, q_ptr, k_cache_pt
 
 @triton.jit
 def attention(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, done_ptr, out_ptr, cache_len, scale,
-              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr):
+              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr,
+              PDL: tl.constexpr):
     """Flash-decoding: program (head, split) computes the softmax partials (running max, sum,
     weighted values) of one query head over one slice of cache positions 0..pos (the slices split
     the valid length, so no program reads past pos); the last of a head's programs to finish merges
-    them into the head's output, so attention is one launch."""
+    them into the head's output, so attention is one launch. The slice's first K/V tile is read
+    before waiting on qkv_rope_cache, all but row `pos`, which that kernel writes."""
     head, split = tl.program_id(0), tl.program_id(1)
-    n = tl.load(pos_ptr) + 1
+    pos = tl.load(pos_ptr)
+    n = pos + 1
     chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_L) * BLOCK_L
     start = split * chunk
     end = tl.minimum(start + chunk, n)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + head * HEAD_DIM + d).to(tl.float32) * scale
     kv = (head // GROUP) * cache_len * HEAD_DIM
+    at = start + tl.arange(0, BLOCK_L)
+    old = (at < end) & (at < pos)
+    k = tl.load(k_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=old[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=old[:, None], other=0.0)
+    _after_previous_kernel(PDL)
+    if end == n:  # this slice holds the new row: read it now that it is written
+        new = (at == pos)[:, None]
+        k = tl.where(new, tl.load(k_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=new, other=0.0), k)
+        v = tl.where(new, tl.load(v_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=new, other=0.0), v)
+    q = tl.load(q_ptr + head * HEAD_DIM + d).to(tl.float32) * scale
     m = tl.full([], -1e30, tl.float32)  # finite, so an empty slice merges with weight exp(-huge) = 0
     total = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for l0 in range(start, end, BLOCK_L):
         at = l0 + tl.arange(0, BLOCK_L)
         ok = at < end
-        k = tl.load(k_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        if l0 > start:  # the first tile is in k and v already; the later ones are read after the wait
+            k = tl.load(k_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
         s = tl.where(ok, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 0))
         p = tl.exp(s - m_new)
         keep = tl.exp(m - m_new)
-        v = tl.load(v_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
         acc = acc * keep + tl.sum(p[:, None] * v.to(tl.float32), 0)
         total = total * keep + tl.sum(p, 0)
         m = m_new

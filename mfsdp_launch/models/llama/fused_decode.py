@@ -48,6 +48,13 @@ def unsupported(model, batch: int = 1) -> Optional[str]:
     return None
 
 
+def _pdl(device) -> bool:
+    from . import decode_kernels
+
+    return (device.type == "cuda" and decode_kernels.gdc_wait is not None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 class FusedDecoder:
     """One token per call through the fused kernels, into buffers it owns (see the module doc)."""
 
@@ -74,6 +81,10 @@ class FusedDecoder:
         self.part_sum = torch.empty(d.n_heads * self.splits, **f32)
         self.part_acc = torch.empty(d.n_heads * self.splits, d.head_dim, **f32)
         self.slices_done = torch.zeros(d.n_heads, dtype=torch.int32, device=w.device)  # attention resets it
+        # Programmatic dependent launch where the GPU has it (Hopper on); the kernels' PDL code
+        # path waits on the previous kernel, which is also right without it.
+        self.pdl = _pdl(w.device)
+        self.launch = {"launch_pdl": True} if self.pdl else {}
 
     def _splits(self, max_len: int, device) -> int:
         """Cache slices per head: enough programs to fill the GPU twice over, a power of two, and
@@ -96,15 +107,17 @@ class FusedDecoder:
             attn, mlp = layer.attn, layer.mlp
             k.qkv_rope_cache[lambda m: (heads * triton.cdiv(hd // 2, m["B"]),)](
                 self.x, layer.attn_norm.weight, attn.wqkv.weight, self.inv_freq, pos, self.q, cache.keys[i],
-                cache.values[i], d.dim, eps, cache.max_len, N_HEADS=d.n_heads, N_KV=d.n_kv_heads, HEAD_DIM=hd)
+                cache.values[i], d.dim, eps, cache.max_len, N_HEADS=d.n_heads, N_KV=d.n_kv_heads, HEAD_DIM=hd,
+                PDL=self.pdl, **self.launch)
             k.attention[(d.n_heads, self.splits)](
                 self.q, cache.keys[i], cache.values[i], pos, self.part_max, self.part_sum, self.part_acc,
                 self.slices_done, self.attn, cache.max_len, 1.0 / math.sqrt(hd), GROUP=d.n_heads // d.n_kv_heads,
-                HEAD_DIM=hd, SPLITS=self.splits, BLOCK_L=self.BLOCK_L)
+                HEAD_DIM=hd, SPLITS=self.splits, BLOCK_L=self.BLOCK_L, PDL=self.pdl, **self.launch)
             self._gemv(self.attn, None, attn.wo.weight, self.x)
             n_ffn = self.ffn.numel()
             k.swiglu[lambda m: (triton.cdiv(n_ffn, m["B"]),)](
-                self.x, layer.mlp_norm.weight, mlp.w_gate_up.weight, self.ffn, n_ffn, d.dim, eps)
+                self.x, layer.mlp_norm.weight, mlp.w_gate_up.weight, self.ffn, n_ffn, d.dim, eps, PDL=self.pdl,
+                **self.launch)
             self._gemv(self.ffn, None, mlp.w_down.weight, self.x)
         self._gemv(self.x, model.norm.weight, model.head_weight, self.logits, residual=False)
         return self.logits
@@ -118,4 +131,4 @@ class FusedDecoder:
         n, kdim = weight.shape
         gemv[lambda m: (triton.cdiv(n, m["R"]),)](
             x, weight if norm_weight is None else norm_weight, weight, out, n, kdim, self.dims.norm_eps,
-            NORM=norm_weight is not None, RESIDUAL=residual)
+            NORM=norm_weight is not None, RESIDUAL=residual, PDL=self.pdl, **self.launch)
