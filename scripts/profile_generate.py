@@ -6,7 +6,8 @@ the kernels' summed GPU time per token against the wall time per token, and the 
     python3 scripts/profile_generate.py --preset 1.4b --max-len 1024 > profile.jsonl  # a line a setting, then all
 
 Settings: `triton` is the fused kernels (models/llama/fused_decode.py, mfsdp-generate's default on
-a GPU), `triton_nopdl` the same launched without programmatic dependent launch; the rest are torch.compile's step under an Inductor config patched while it compiles:
+a GPU), `triton_nopdl` the same launched without programmatic dependent launch, `triton_early`
+with each kernel letting the next one launch as soon as it starts (decode_kernels.AT_START); the rest are torch.compile's step under an Inductor config patched while it compiles:
 `shipped` is `--decoder compile` as it is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate
 descent tuning, which turns every [1, d] x [d, n] matmul into a tuned Triton reduction fused with
 its neighbours (gpt-fast's setting); `autotune` (not in the default list: its compile takes
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     from mfsdp_launch.models.llama.fused_decode import FusedDecoder
     from mfsdp_launch.tools.generate import graphed_decoder
 
-    settings = {"triton": {}, "triton_nopdl": {}, "shipped": {}, "cdt": {"coordinate_descent_tuning": True},
+    settings = {"triton": {}, "triton_nopdl": {}, "triton_early": {}, "shipped": {}, "cdt": {"coordinate_descent_tuning": True},
                 "autotune": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"}}
     torch.manual_seed(0)
     dims = resolve_gpt_dims(SimpleNamespace(preset=args.preset))
@@ -104,11 +105,15 @@ def main(argv=None) -> int:
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "rows": []}
     from mfsdp_launch.models.llama import fused_decode
 
-    has_pdl = fused_decode._pdl
+    from mfsdp_launch.models.llama import decode_kernels
+
+    shipped_pdl = fused_decode._pdl
+    pdl_of = {"triton_nopdl": decode_kernels.NO_PDL, "triton_early": decode_kernels.AT_START}
     for name in args.settings.split(","):
         torch._dynamo.reset()
         fused = name.startswith("triton")
-        fused_decode._pdl = has_pdl if name != "triton_nopdl" else (lambda device: False)
+        # The PDL mode FusedDecoder reads at construction: the shipped one, or the setting's.
+        fused_decode._pdl = (lambda device, mode=pdl_of[name]: mode) if name in pdl_of else shipped_pdl
         t0 = time.perf_counter()
         with inductor_config.patch(settings[name]):  # the step compiles and is captured in here
             step, cache = graphed_decoder(model, args.max_len, "triton" if fused else "compile")

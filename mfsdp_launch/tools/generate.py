@@ -52,7 +52,8 @@ def sample_next(logits, *, temperature: float = 0.0, top_k: int = 0, top_p: floa
 def generate_gpt(model, prompt: List[int], *, max_new_tokens: int, eos_id: Optional[int], cache=None, step=None,
                  generator=None, **sampling) -> List[int]:
     """New token ids after `prompt` for the built-in gpt, batch 1, with a KV cache (`cache`, `step`:
-    a preallocated cache and a captured decode step, see `graphed_decoder`)."""
+    a preallocated cache and a captured decode step, see `graphed_decoder`). Greedy decoding keeps
+    each argmax on the device (GreedyLoop); sampling draws on the host's side of each step."""
     import torch
 
     from ..models.llama.kv_cache import KVCache, decode_step, prefill
@@ -62,6 +63,11 @@ def generate_gpt(model, prompt: List[int], *, max_new_tokens: int, eos_id: Optio
     step = step or decode_step
     logits = prefill(model, torch.tensor([prompt], device=device), cache)[:, -1]
     pos = torch.tensor(len(prompt), device=device)
+    if sampling.get("temperature", 0.0) <= 0 and max_new_tokens > 0:
+        loop = getattr(step, "greedy", None)
+        if loop is None or loop.cache is not cache:
+            loop = GreedyLoop(model, step, cache, max_new_tokens)
+        return loop.run(logits, pos, max_new_tokens, eos_id)
     out = []
     for i in range(max_new_tokens):
         token = sample_next(logits, generator=generator, **sampling)
@@ -72,6 +78,58 @@ def generate_gpt(model, prompt: List[int], *, max_new_tokens: int, eos_id: Optio
             logits = step(model, token.view(1, 1), pos, cache)[:, -1]
             pos += 1
     return torch.cat(out).tolist() if out else []
+
+
+class GreedyLoop:
+    """Greedy decoding whose argmax never leaves the device: one `body` a token (the decode step at
+    `pos`, its argmax into `token` and into `ids[count]`, then pos and count + 1). On a GPU
+    `graphed_decoder` captures the body in a CUDA graph, so a token costs one replay and no host
+    round trip; elsewhere the same body runs eagerly. EOS is looked for every `check_every` tokens
+    (one sync each), and what was decoded past it is dropped."""
+
+    check_every = 16
+
+    def __init__(self, model, step, cache, capacity: int):
+        import torch
+
+        device = model.tok_emb.weight.device
+        self.model, self.step, self.cache = model, step, cache
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.count = torch.zeros(1, dtype=torch.long, device=device)
+        self.ids = torch.zeros(max(1, capacity), dtype=torch.long, device=device)
+        self.advance = self.body  # graphed_decoder replaces it with the captured body's replay
+
+    def body(self) -> None:
+        logits = self.step(self.model, self.token, self.pos, self.cache)
+        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.ids.index_copy_(0, self.count, self.token.view(1))
+        self.pos.add_(1)
+        self.count.add_(1)
+
+    def run(self, logits, pos, n: int, eos_id: Optional[int]) -> List[int]:
+        """n token ids (fewer when EOS comes first, EOS kept) after the prompt, whose last logits
+        `logits` [1, vocab] and length `pos` the prefill gave."""
+        if n - 1 > self.ids.numel():
+            raise ValueError(f"{n} new tokens do not fit a greedy loop of {self.ids.numel() + 1}")
+        first = logits.argmax(-1).view(1, 1)
+        self.token.copy_(first)
+        self.pos.copy_(pos)
+        self.count.zero_()
+        head = [int(first.item())]  # one sync: the prefill's token
+        if head[0] == eos_id:
+            return head
+        done = 0  # tokens the loop has decoded
+        while done < n - 1:
+            chunk = n - 1 - done if eos_id is None else min(self.check_every, n - 1 - done)
+            for _ in range(chunk):
+                self.advance()
+            done += chunk
+            if eos_id is not None:
+                at = (self.ids[:done] == eos_id).nonzero()
+                if at.numel():
+                    return head + self.ids[:int(at[0, 0]) + 1].tolist()
+        return head + self.ids[:n - 1].tolist()
 
 
 DECODERS = ("auto", "eager", "compile", "triton")
@@ -93,9 +151,10 @@ def pick_decoder(choice: str, model) -> str:
 def graphed_decoder(model, max_len: int, decoder: str = "triton"):
     """(a decode step, one cache of `max_len` for every prompt): `triton` is the fused kernels of
     models/llama/fused_decode.py, `compile` torch.compile of kv_cache.decode_step. On a GPU the
-    step is captured once in a CUDA graph over static token/position buffers and the cache, and
-    each token replays it, so no token pays Python or launch time (on one H200 the 1.4b takes
-    1.11 ms a token fused, 1.57 compiled: bench/reports/2026-12-03-session18-*)."""
+    step is captured in a CUDA graph over static token/position buffers and the cache (and once more
+    with its argmax fed back, `replay.greedy`), and each token replays one, so no token pays Python
+    or launch time (on one H200 the 1.4b takes 1.04 ms a token fused, 1.56 compiled:
+    bench/reports/2026-12-03-session19-*)."""
     import torch
 
     from ..models.llama.fused_decode import FusedDecoder
@@ -110,15 +169,21 @@ def graphed_decoder(model, max_len: int, decoder: str = "triton"):
         return step, cache
     token = torch.zeros((1, 1), dtype=torch.long, device=device)
     pos = torch.zeros((), dtype=torch.long, device=device)
+    greedy = GreedyLoop(model, step, cache, max_len)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), torch.inference_mode():
         for _ in range(3):  # compile and warm up (autotuning, cuBLAS workspaces) before capturing
             step(model, token, pos, cache)
+        greedy.body()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
         logits = step(model, token, pos, cache)
+    greedy_graph = torch.cuda.CUDAGraph()  # the same step with its argmax fed back (GreedyLoop.body)
+    with torch.cuda.graph(greedy_graph), torch.inference_mode():
+        greedy.body()
+    greedy.advance = greedy_graph.replay
 
     def replay(_model, input_ids, position, _cache):
         token.copy_(input_ids)
@@ -126,7 +191,8 @@ def graphed_decoder(model, max_len: int, decoder: str = "triton"):
         graph.replay()
         return logits
 
-    replay.step = step  # the graph reads and writes the fused step's own buffers: they live as long as it
+    replay.step = step  # the graphs read and write the fused step's own buffers: they live as long as it
+    replay.greedy = greedy  # generate_gpt's greedy decoding replays this one
     return replay, cache
 
 

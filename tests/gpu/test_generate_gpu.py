@@ -1,6 +1,7 @@
 """One GPU: mfsdp-generate's captured decode steps (`--decoder triton`, the fused kernels, and
 `--decoder compile`, torch.compile) replay one CUDA graph and give the eager KV-cache decoder's
-tokens (fp32, greedy), prompt after prompt over the same cache; in bf16 the fused step's logits
+tokens (fp32, greedy: the graph with the argmax fed back, GreedyLoop), prompt after prompt over
+the same cache, and stop at EOS where the eager tokens do; in bf16 the fused step's logits
 stay within a few units in the last place of the eager step's."""
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def test_the_captured_decode_step_gives_the_eager_tokens(decoder):
             eager = generate_gpt(model, prompt, max_new_tokens=new, eos_id=None)
             graphed = generate_gpt(model, prompt, max_new_tokens=new, eos_id=None, step=step, cache=cache)
             assert graphed == eager, (prompt, graphed, eager)
+            eos = eager[37]  # stopping at EOS (checked every GreedyLoop.check_every replays) keeps up to the first
+            stopped = generate_gpt(model, prompt, max_new_tokens=new, eos_id=eos, step=step, cache=cache)
+            assert stopped == eager[:eager.index(eos) + 1], (prompt, stopped, eager)
 
 
 def test_fused_bf16_logits_follow_the_eager_step():

@@ -15,9 +15,12 @@ CUDA graph serves every position.
 
 Under PDL (programmatic dependent launch, Hopper and later) each kernel is launched while the one
 before it finishes: it first requests what the previous kernel does not write (its first weight
-block; attention its cache rows before `pos`), then waits for that kernel (`gdc_wait`) and lets
-the next one launch. Since every kernel waits before it lets the next one in, whatever the kernels
-before the previous one wrote is already visible before the wait.
+block; attention its cache rows before `pos`), then waits for that kernel (`gdc_wait`). Every
+kernel waits before it ends, so a kernel done means all before it done: past the wait, whatever
+any earlier kernel wrote is visible. What runs before the wait reads only what no kernel of the
+step writes. When the next kernel may launch is the PDL constexpr: AFTER_WAIT (1) lets it in once
+this one's wait is over, AT_START (2) as soon as this one starts (the next one's early loads then
+overlap this one's wait too); 0 is no PDL.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without grid dependency control: callers pass PDL=False
+except ImportError:  # a Triton without grid dependency control: callers pass PDL=NO_PDL
     gdc_launch_dependents = gdc_wait = None
+
+NO_PDL, AFTER_WAIT, AT_START = 0, 1, 2  # the kernels' PDL constexpr (the module doc)
 
 # (rows per program, K-block, warps, pipeline stages) timed per weight shape at the first launch; a
 # captured graph replays the winner. A GEMV streams its weights, so what a tile decides is how many
@@ -69,10 +74,18 @@ def _inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _on_start(PDL: tl.constexpr):
+    """A kernel's first statement: under AT_START, lets the next kernel launch now."""
+    if PDL == 2:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _after_previous_kernel(PDL: tl.constexpr):
-    """Wait for the previous kernel's writes, then let the next kernel launch (no-op without PDL)."""
-    if PDL:
+    """Wait for the previous kernel's writes; under AFTER_WAIT, then let the next kernel launch."""
+    if PDL > 0:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
 
 
@@ -95,6 +108,7 @@ def _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM: tl.constexpr, EVE
     """fp32 sums of W[rows, :] * x' ([R]), x' = RMSNorm(x; g) rounded (NORM) or x. The first weight
     block is requested before waiting on the kernel that wrote x; each next block while the current
     one is summed."""
+    _on_start(PDL)
     rows = rows.to(tl.int64)  # rows * K passes 2**31 for big heads
     w = _weights(w_ptr, rows, row_ok, 0, K, EVEN_K, BLOCK_K)
     _after_previous_kernel(PDL)
@@ -191,6 +205,7 @@ def attention(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, d
     the valid length, so no program reads past pos); the last of a head's programs to finish merges
     them into the head's output, so attention is one launch. The slice's first K/V tile is read
     before waiting on qkv_rope_cache, all but row `pos`, which that kernel writes."""
+    _on_start(PDL)
     head, split = tl.program_id(0), tl.program_id(1)
     pos = tl.load(pos_ptr)
     n = pos + 1

@@ -48,11 +48,13 @@ def unsupported(model, batch: int = 1) -> Optional[str]:
     return None
 
 
-def _pdl(device) -> bool:
-    from . import decode_kernels
+def _pdl(device) -> int:
+    """The kernels' PDL mode on `device` (decode_kernels' module doc): AFTER_WAIT where the GPU and
+    Triton have it (measured, bench/reports/2026-12-03-session19-*), else NO_PDL."""
+    from . import decode_kernels as k
 
-    return (device.type == "cuda" and decode_kernels.gdc_wait is not None
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    has = device.type == "cuda" and k.gdc_wait is not None and torch.cuda.get_device_capability(device) >= (9, 0)
+    return k.AFTER_WAIT if has else k.NO_PDL
 
 
 class FusedDecoder:
@@ -81,8 +83,7 @@ class FusedDecoder:
         self.part_sum = torch.empty(d.n_heads * self.splits, **f32)
         self.part_acc = torch.empty(d.n_heads * self.splits, d.head_dim, **f32)
         self.slices_done = torch.zeros(d.n_heads, dtype=torch.int32, device=w.device)  # attention resets it
-        # Programmatic dependent launch where the GPU has it (Hopper on); the kernels' PDL code
-        # path waits on the previous kernel, which is also right without it.
+        # Programmatic dependent launch where the GPU has it (Hopper on).
         self.pdl = _pdl(w.device)
         self.launch = {"launch_pdl": True} if self.pdl else {}
 
