@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 ATTENTION = "mfsdp_documents"
 KWARG = "mfsdp_documents"  # the keyword that carries Documents through an HF model's forward
-KERNELS: Counter = Counter()  # "varlen" | "dense": attention calls per path, in this process
+KERNELS: Counter = Counter()  # "varlen" | "dense" | "te_thd" (te_modules.py): attention calls per path, in this process
 
 
 def _varlen_causal_kwargs(flat: list, heads: int) -> dict:

@@ -150,6 +150,10 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
     if f.attention and cfg.mesh.cp > 1:
         # TE's context-parallel attention has FP8 paths, but none was run here
         raise ConfigError("fp8.attention", "with mesh.cp > 1 is not tested here", "false, or mesh.cp=1")
+    if f.attention and cfg.data.doc_mask:
+        # TE 2.x's FP8 attention (cuDNN) takes bshd/sbhd only; in training nothing else runs it in FP8
+        raise ConfigError("fp8.attention", "true has no kernel for data.doc_mask's variable-length (THD) attention",
+                          "false, or data.doc_mask=false")
     if f.skip and f.params:
         raise ConfigError("fp8.skip", "modules built with FP8 weights cannot run in high precision",
                           "[] with fp8.params=true, or fp8.params=false")
@@ -192,6 +196,10 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     _check_activation_checkpointing(m, fam.name, support)
     if dims.tp > 1:
         _check_tp(fam, support, caps)
+    if dims.tp > 1 and cfg.data.doc_mask and support.tp == Parallel.TE:
+        # te_gpt's THD path (models/llama/te_modules.py) runs unsplit; TE's sequence parallelism is not wired to it
+        raise ConfigError("data.doc_mask", f"true with mesh.tp={dims.tp} is not wired for model={fam.name}'s TE layers",
+                          "false, or mesh.tp=1")
     if dims.cp > 1:
         _check_cp(cfg, fam, support, caps)
     if dims.cp > 1 and cfg.train.seq_len % (2 * dims.cp):
@@ -305,9 +313,13 @@ def _check_data(cfg) -> None:
 
     fam = family(cfg.model.name)
     check_data_config(cfg.data, vocab_size=fam.vocab_size(cfg.model), train=cfg.train)
-    if cfg.data.doc_mask and not fam.support(engine_caps(cfg.engine.name)).doc_mask:
+    caps = engine_caps(cfg.engine.name)
+    if cfg.data.doc_mask and not fam.support(caps).doc_mask:
+        if fam.doc_mask:  # the family masks documents, not under this engine
+            raise ConfigError("data.doc_mask", f"model={fam.name} cannot mask attention per document under "
+                              f"engine={caps.name}", ["false"] + [f"engine={e}" for e, c in ENGINES.items() if fam.support(c).doc_mask])
         raise ConfigError("data.doc_mask", f"model={fam.name} cannot mask attention per document",
-                          ["false"] + [f"model={name}" for name, f in FAMILIES.items() if f.doc_mask])
+                          ["false"] + [f"model={name}" for name, f in FAMILIES.items() if f.support(caps).doc_mask])
     if cfg.data.doc_mask and cfg.train.cuda_graph == CudaGraphMode.full_iteration:
         raise ConfigError("train.cuda_graph", "full_iteration replays one fixed step, but data.doc_mask=true cuts "
                           "each batch at its documents (variable-length attention)", "none, or data.doc_mask=false")

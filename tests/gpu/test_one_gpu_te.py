@@ -11,7 +11,11 @@
   model.init_on_meta=true before spawning, since TE's init of them on the GPU fails); an FP8 delayed run resumes from its checkpoint with the uninterrupted losses;
   fp8.attention=true changes the numbers (FP8 attention ran) and trains; model.loss_kernel=te_fused
   gives the torch loss; train.cuda_graph=full_iteration gives the eager losses and saves; and
-  fp8.recipe=mxfp8 on a pre-Blackwell GPU is one line, exit code 2.
+  fp8.recipe=mxfp8 on a pre-Blackwell GPU is one line, exit code 2;
+* data.doc_mask on te_gpt (bf16, GQA): TE's DotProductAttention runs THD over the flattened batch, each
+  document of a packed row gives the logits it gives alone, no gradient crosses a document (exactly
+  zero), and packed training runs through the CLI (megatron_fsdp, with and without activation
+  checkpointing; engine=fsdp2 is refused).
 """
 
 from __future__ import annotations
@@ -223,3 +227,132 @@ def test_te_cli_mxfp8_is_refused_in_one_line_before_hopper_trains(request, te_gp
     assert lines and lines[0].startswith("mfsdp-train: error: fp8.recipe:"), r.tail()
     assert "Traceback" not in r.console, r.tail()
     assert not (r.run_dir / "metrics.jsonl").exists() or not r.rows()
+
+
+# ------------------------------------------------------------------------------- document masks (THD)
+
+# data.doc_mask on te_gpt: TE's THD attention per document (models/llama/te_modules.py), GQA, bf16.
+DOCS = [(37, 50, 41), (64, 64)]  # row 0: three documents; row 1: two (cu_seqlens cut at the row end too)
+
+
+def _te_gpt_bf16():
+    import torch
+
+    from mfsdp_launch.models.llama.dims import GPTDims
+    from mfsdp_launch.models.llama.te_modules import TEGPT
+
+    torch.manual_seed(0)
+    dims = GPTDims(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=256, tie_embeddings=False,
+                   norm_eps=1e-5, rope_theta=10000.0)
+    return TEGPT(dims, params_dtype=torch.bfloat16).cuda()
+
+
+def _packed_batch():
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(1, 256, (len(DOCS), sum(DOCS[0])), device="cuda", generator=g)
+    doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in DOCS]).cuda()
+    return ids, doc_ids
+
+
+def _attention_layouts(model) -> tuple:
+    """(records, hooks): the qkv_format and query shape of every call of TE's DotProductAttention."""
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append((kwargs.get("qkv_format"), tuple(args[0].shape)))
+
+    return seen, [layer.self_attention.core_attention.register_forward_pre_hook(record, with_kwargs=True)
+                  for layer in model.layers]
+
+
+def test_te_gpt_doc_mask_packed_documents_equal_documents_alone():
+    require_gpus(1)
+    require_te()
+    import torch
+
+    from mfsdp_launch.corpus import cu_seqlens
+    from mfsdp_launch.models.doc_attention import KERNELS
+
+    model = _te_gpt_bf16()
+    ids, doc_ids = _packed_batch()
+    layers, T = len(model.layers), ids.shape[1]
+    seen, hooks = _attention_layouts(model)
+    before = KERNELS["te_thd"]
+    with torch.no_grad():
+        packed = model(ids, doc_ids=doc_ids).float()
+        thd_calls, count = list(seen), KERNELS["te_thd"] - before
+        host = model(ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens(doc_ids.cpu())).float()  # the loader's
+        plain = model(ids).float()
+        for hook in hooks:
+            hook.remove()
+        errors, crossed = [], []
+        for b, row in enumerate(DOCS):
+            start = 0
+            for n in row:  # TE's THD RoPE restarts positions per document: the document alone from 0
+                alone = model(ids[b:b + 1, start:start + n])[0].float()
+                errors.append((packed[b, start:start + n] - alone).abs().max().item())
+                if start:
+                    crossed.append((plain[b, start:start + n] - alone).abs().max().item())
+                start += n
+    assert count == layers, count
+    # TE's own record: with doc_ids each layer's attention ran THD over all B * T tokens (4 query heads
+    # of 32), without them the built bshd layout
+    assert thd_calls == [("thd", (len(DOCS) * T, 4, 32))] * layers, thd_calls
+    assert seen == thd_calls * 2 + [("bshd", (len(DOCS), T, 4, 32))] * layers, seen
+    scale = packed.abs().max().item()
+    print(f"te_gpt THD: per-document max |packed - alone| {max(errors):.2e}, without the mask "
+          f"{min(crossed):.2e} (logits up to {scale:.2f})")
+    assert max(errors) <= 0.05 * scale, errors  # bf16 through different attention kernels (THD vs bshd)
+    assert min(crossed) > 4 * max(errors), (crossed, errors)  # the mask is what makes them equal
+    torch.testing.assert_close(host, packed, rtol=0, atol=0.01 * scale)
+
+
+def test_te_gpt_doc_mask_no_gradient_crosses_a_document():
+    require_gpus(1)
+    require_te()
+    import torch
+    import torch.nn.functional as F
+
+    from mfsdp_launch.models.doc_attention import KERNELS
+
+    model = _te_gpt_bf16()
+    ids, doc_ids = _packed_batch()
+    captured = {}
+
+    def leaf(module, args, out):  # the input embeddings, as a leaf that keeps its gradient
+        captured["emb"] = out.detach().requires_grad_(True)
+        return captured["emb"]
+
+    hook = model.tok_emb.register_forward_hook(leaf)
+    before = KERNELS["te_thd"]
+    logits = model(ids, doc_ids=doc_ids)
+    hook.remove()
+    assert KERNELS["te_thd"] - before == len(model.layers)
+    a, b = DOCS[0][0], DOCS[0][0] + DOCS[0][1]  # document 2 of row 0
+    F.cross_entropy(logits[0, a:b - 1].float(), ids[0, a + 1:b]).backward()
+    grad = captured["emb"].grad
+    assert torch.count_nonzero(grad[0, :a]) == 0  # document 1: exactly zero
+    assert torch.count_nonzero(grad[0, b:]) == 0 and torch.count_nonzero(grad[1]) == 0  # document 3, row 1
+    assert (grad[0, a:b - 1].abs().sum(-1) > 0).all()  # every token of document 2 reaches the loss
+
+
+@pytest.mark.parametrize("engine,extra", [("megatron_fsdp", ["model.activation_checkpointing=full"]),
+                                          ("megatron_fsdp", [])])
+def test_te_gpt_doc_mask_trains_through_the_cli(engine, extra):
+    """data.pack=documents data.doc_mask=true on te_gpt: trains (under activation checkpointing the
+    recompute runs THD too). Under engine=fsdp2 it is refused (TEGPTFamily.support)."""
+    require_gpus(1)
+    require_te()
+    from test_sft_gpu import _cli, _corpus
+
+    corpus = _corpus()
+    rows = _cli(f"te_docs_{engine}_{len(extra)}", "model=te_gpt", "model.preset=tiny", "model.dim=128", "model.n_layers=2",
+                "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=256", "model.vocab_size=256",
+                f"engine={engine}", *extra, "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32",
+                "data=tokens", f"data.sources=[{{path: '{corpus}'}}]", "data.pack=documents", "data.doc_mask=true",
+                "train.seq_len=256", "train.micro_batch_size=2", "train.steps=6", "optim.lr=3e-3",
+                "optim.warmup_steps=0")
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses

@@ -6,6 +6,12 @@ built on the meta device (TE takes an explicit `device` argument, so we pass it 
 
 Layout: TEGPT runs its TransformerLayers batch-first (`attn_input_format="bshd"`), like `gpt`.
 ToyTETransformer keeps the seed's TE default, seq-first `[s, b, h]`.
+
+Document masks (data.doc_mask): `TEGPT.forward(input_ids, doc_ids, cu_seqlens)` runs that call in TE's
+variable-length THD layout: the [B, T] batch is one stream of B * T tokens cut at every document and
+row end (`thd_arguments`), attention "padding_causal" inside each piece, so no T x T mask exists.
+TE's fused RoPE restarts positions at 0 in every THD sequence; `gpt` does not restart them, but RoPE
+scores depend only on the distance between two tokens, so both compute the same attention.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...corpus.doc_mask import cu_seqlens as doc_segments
+from ..doc_attention import KERNELS
 from .gpt_modules import Embedding, RMSNorm
 from .dims import GPTDims
 
@@ -113,7 +121,20 @@ def rope_transformer_layer_class():
             if rope is None:
                 rope = te.RotaryPositionEmbedding(self.rope_dim, rotary_base=self.rope_theta)
                 self._rope["module"] = rope
-            return super().forward(hidden_states, rotary_pos_emb=rope(self.rope_len(hidden_states)), **kwargs)
+            if kwargs.get("cu_seqlens_q") is None:
+                return super().forward(hidden_states, rotary_pos_emb=rope(self.rope_len(hidden_states)), **kwargs)
+            # THD (`thd_arguments`): positions restart in every document, so a table of max_seqlen rows
+            # covers them all. TE fixes the layout at construction (MultiheadAttention.qkv_format, which
+            # it hands to its RoPE and DotProductAttention on every call): switched for this call only,
+            # so one model runs both layouts, and here, inside forward, so that the recompute of a
+            # checkpointed layer (model.activation_checkpointing) switches it too.
+            KERNELS["te_thd"] += 1
+            attention, built = self.self_attention, self.self_attention.qkv_format
+            attention.qkv_format = "thd"
+            try:
+                return super().forward(hidden_states, rotary_pos_emb=rope(kwargs["max_seqlen_q"]), **kwargs)
+            finally:
+                attention.qkv_format = built
 
         def rope_len(self, hidden_states: torch.Tensor) -> int:
             """Positions the table covers: the whole sequence. Attention sees the tp-gathered
@@ -216,9 +237,21 @@ class TEGPT(nn.Module):
         if tp == 1 and device != "meta":
             self.init_weights_tp_invariant(0)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """With `doc_ids` [B, T] (data.doc_mask; `cu_seqlens` the loader's, computed on the host) a
+        token attends only to earlier tokens of its own document, through TE's THD attention."""
         x = self.tok_emb(input_ids)
-        if self.tp > 1:
+        if doc_ids is not None:
+            if self.tp > 1:  # validation refuses data.doc_mask with te_gpt's mesh.tp > 1
+                raise ValueError("te_gpt: a document mask with tensor parallelism is not supported")
+            B, T, dim = x.shape
+            thd = thd_arguments(doc_ids, cu_seqlens, x.device)
+            x = x.reshape(B * T, dim)  # THD: tokens first, no batch dimension
+            for layer in self.layers:
+                x = layer(x, **thd)
+            x = self.norm(x).view(B, T, dim)
+        elif self.tp > 1:
             from .te_parallel import gather_seq, scatter_seq
 
             # [B, T, H] -> [T, B, H], this tp rank's T/tp tokens; gathered back after the final norm.
@@ -242,6 +275,20 @@ class TEGPT(nn.Module):
         generator = torch.Generator(device=next(self.parameters()).device).manual_seed(torch.initial_seed())
         init_te_model(self, std=INIT_STD, out_std=INIT_STD / math.sqrt(2 * self.dims.n_layers),
                       generator=generator, tp_rank=tp_rank, tp=self.tp)
+
+
+def thd_arguments(doc_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, device=None) -> dict:
+    """TransformerLayer.forward's keywords for attention per document over a [B, T] batch flattened to
+    B * T tokens: one THD sequence per document and row (`cu_seqlens`, int32 [segments + 1]; from
+    `doc_ids` when the loader gave none, corpus/doc_mask.py), causal inside each. TE's THD attention
+    takes padding mask types only; "padding_causal" without padding between the sequences is causal
+    per sequence. max_seqlen is T, which bounds every document: the exact maximum would cost a device
+    sync (TE, left to itself, takes that sync and rounds the maximum up to a multiple of 64)."""
+    cu = doc_segments(doc_ids) if cu_seqlens is None else cu_seqlens
+    cu = cu.to(device=doc_ids.device if device is None else device, dtype=torch.int32)
+    T = int(doc_ids.shape[-1])
+    return dict(self_attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=T,
+                max_seqlen_kv=T)
 
 
 def wire_parallel(model, mesh, tp: int, cp: int) -> None:
