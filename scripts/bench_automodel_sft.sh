@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
   "$kit"/amwhl/*.whl "$kit"/whl/torchdata-*.whl || exit 1
 log=$OUT/am_packed_sft.log
 t0=$(date +%s)
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONPATH=/tmp/amsite:/tmp/ttsite:$kit/stubs \
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONPATH=/tmp/amsite:/tmp/ttsite:$kit/stubs${PYTHONPATH:+:$PYTHONPATH} \
   timeout "${T_AM:-400}" torchrun --standalone --nproc-per-node 1 -m nemo_automodel.cli.app \
   "$root"/bench/peers/automodel_llama1b_packed_sft.yaml > "$log" 2>&1
 echo "rc=$? wall_s=$(( $(date +%s) - t0 ))" >> "$log"
