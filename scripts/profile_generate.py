@@ -133,6 +133,18 @@ def main(argv=None) -> int:
         row = {"setting": name, "inductor": settings[name], "compile_s": round(compile_s, 1),
                "tokens_per_s": round(1 / wall, 1), "ms_per_token": round(wall * 1e3, 4),
                "hbm_tb_s_at_wall": round(weight_bytes / wall / 1e12, 2)}
+        # mfsdp-generate's greedy path: the graphs with the argmax fed back (GreedyLoop), chunks of
+        # check_every tokens a replay, from pos max_len/2 on (so later positions than the replays above).
+        row["greedy_tokens_per_s"] = None  # no graphs off the GPU
+        greedy_tokens = min(args.tokens, args.max_len - args.max_len // 2)  # within the cache
+        if hasattr(step, "greedy"):
+            with torch.inference_mode():
+                first = torch.zeros(1, dims.vocab_size, device=dev)
+                sync()
+                t0 = time.perf_counter()
+                step.greedy.run(first, pos, greedy_tokens, None)
+                sync()
+                row["greedy_tokens_per_s"] = round(greedy_tokens / (time.perf_counter() - t0), 1)
         # The replays' kernels (CUPTI may show a captured graph's kernels or only the graph), then the
         # same compiled step launched without the graph (its kernels one by one).
         row["graph"] = kernel_table(torch, lambda: step(model, token, pos, cache), args.profile_tokens, sync)
@@ -146,7 +158,8 @@ def main(argv=None) -> int:
             row["no_graph"] = kernel_table(torch, lambda: bare(model, token, pos, cache), args.profile_tokens, sync)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)  # row by row: a call that runs out of time keeps the rows done
-        print(f"{name}: {row['tokens_per_s']} tokens/s, {row['ms_per_token']} ms/token, compile "
+        print(f"{name}: {row['tokens_per_s']} tokens/s (greedy loop {row['greedy_tokens_per_s']}), "
+              f"{row['ms_per_token']} ms/token, compile "
               f"{row['compile_s']} s; graph kernels {row['graph']['kernel_us']} us in {row['graph']['kernels']}; "
               f"no graph {row['no_graph']['wall_us']} us wall, kernels {row['no_graph']['kernel_us']} us in "
               f"{row['no_graph']['kernels']}", file=sys.stderr, flush=True)

@@ -83,9 +83,9 @@ def generate_gpt(model, prompt: List[int], *, max_new_tokens: int, eos_id: Optio
 class GreedyLoop:
     """Greedy decoding whose argmax never leaves the device: one `body` a token (the decode step at
     `pos`, its argmax into `token` and into `ids[count]`, then pos and count + 1). On a GPU
-    `graphed_decoder` captures the body in a CUDA graph, so a token costs one replay and no host
-    round trip; elsewhere the same body runs eagerly. EOS is looked for every `check_every` tokens
-    (one sync each), and what was decoded past it is dropped."""
+    `graphed_decoder` captures the body in CUDA graphs, once and `check_every` times over, so a
+    chunk of tokens costs one replay and no host round trip; elsewhere the same body runs eagerly.
+    EOS is looked for after every chunk (one sync each), and what was decoded past it is dropped."""
 
     check_every = 16
 
@@ -98,14 +98,24 @@ class GreedyLoop:
         self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.count = torch.zeros(1, dtype=torch.long, device=device)
         self.ids = torch.zeros(max(1, capacity), dtype=torch.long, device=device)
-        self.advance = self.body  # graphed_decoder replaces it with the captured body's replay
+        # graphed_decoder replaces these with replays of the captured body (one, check_every)
+        self.advance = self.body
+        self.advance_chunk = self.body_chunk
 
     def body(self) -> None:
         logits = self.step(self.model, self.token, self.pos, self.cache)
+        fused = getattr(self.step, "greedy_next", None)  # the fused decoder's one-kernel version
+        if fused is not None:
+            fused(logits, self.token, self.ids, self.count, self.pos)
+            return
         self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
         self.ids.index_copy_(0, self.count, self.token.view(1))
         self.pos.add_(1)
         self.count.add_(1)
+
+    def body_chunk(self) -> None:
+        for _ in range(self.check_every):
+            self.body()
 
     def run(self, logits, pos, n: int, eos_id: Optional[int]) -> List[int]:
         """n token ids (fewer when EOS comes first, EOS kept) after the prompt, whose last logits
@@ -121,9 +131,12 @@ class GreedyLoop:
             return head
         done = 0  # tokens the loop has decoded
         while done < n - 1:
-            chunk = n - 1 - done if eos_id is None else min(self.check_every, n - 1 - done)
-            for _ in range(chunk):
-                self.advance()
+            chunk = min(self.check_every, n - 1 - done)
+            if chunk == self.check_every:
+                self.advance_chunk()
+            else:
+                for _ in range(chunk):
+                    self.advance()
             done += chunk
             if eos_id is not None:
                 at = (self.ids[:done] == eos_id).nonzero()
@@ -180,10 +193,14 @@ def graphed_decoder(model, max_len: int, decoder: str = "triton"):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
         logits = step(model, token, pos, cache)
-    greedy_graph = torch.cuda.CUDAGraph()  # the same step with its argmax fed back (GreedyLoop.body)
-    with torch.cuda.graph(greedy_graph), torch.inference_mode():
+    # The same step with its argmax fed back (GreedyLoop.body), alone and check_every of them in a
+    # row: a chunk's tokens follow each other inside one graph, with no graph launch between them.
+    one, chunk = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(one), torch.inference_mode():
         greedy.body()
-    greedy.advance = greedy_graph.replay
+    with torch.cuda.graph(chunk), torch.inference_mode():
+        greedy.body_chunk()
+    greedy.advance, greedy.advance_chunk = one.replay, chunk.replay
 
     def replay(_model, input_ids, position, _cache):
         token.copy_(input_ids)

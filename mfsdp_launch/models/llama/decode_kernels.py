@@ -256,3 +256,26 @@ def attention(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, d
         out = tl.sum(accs * weight[:, None], 0) / tl.sum(tl.load(l_ptr + slots, cache_modifier=".cg") * weight, 0)
         tl.store(out_ptr + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
         tl.store(done_ptr + head, 0)  # ready for the next layer's launch
+
+
+@triton.jit
+def greedy_next(logits_ptr, token_ptr, pos_ptr, ids_ptr, count_ptr, V, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    """A greedy token's bookkeeping in one program: token = argmax(logits) (the first of equal
+    maxima, as torch.argmax), ids[count] = token, then pos and count + 1 (tools/generate.py
+    GreedyLoop). Launched without PDL, so the next token's kernels start after it."""
+    _after_previous_kernel(PDL)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_at = tl.full([], 0, tl.int64)
+    for v0 in range(0, V, BLOCK):
+        at = v0 + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + at, mask=at < V, other=float("-inf")).to(tl.float32)
+        top = tl.max(x, 0)
+        first = tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + v0
+        better = top > best  # strictly: on a tie the earlier block's index stays
+        best_at = tl.where(better, first, best_at)
+        best = tl.where(better, top, best)
+    count = tl.load(count_ptr)
+    tl.store(token_ptr, best_at)
+    tl.store(ids_ptr + count, best_at)
+    tl.store(count_ptr, count + 1)
+    tl.store(pos_ptr, tl.load(pos_ptr) + 1)

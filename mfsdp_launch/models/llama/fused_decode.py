@@ -123,6 +123,18 @@ class FusedDecoder:
         self._gemv(self.x, model.norm.weight, model.head_weight, self.logits, residual=False)
         return self.logits
 
+    def greedy_next(self, logits: torch.Tensor, token: torch.Tensor, ids: torch.Tensor, count: torch.Tensor,
+                    pos: torch.Tensor) -> None:
+        """GreedyLoop's bookkeeping after a step in one kernel: token = argmax(logits), ids[count] =
+        token, pos and count + 1 (instead of five small torch kernels a token)."""
+        import triton
+
+        from .decode_kernels import greedy_next
+
+        vocab = logits.shape[-1]
+        greedy_next[(1,)](logits, token, pos, ids, count, vocab, PDL=0, BLOCK=min(triton.next_power_of_2(vocab), 32768),
+                          num_warps=16)
+
     def _gemv(self, x, norm_weight, weight, out, residual: bool = True) -> None:
         """out = weight @ (RMSNorm(x) if norm_weight is given else x), plus out under `residual`."""
         import triton

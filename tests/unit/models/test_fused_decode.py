@@ -69,6 +69,31 @@ def test_interpreted_kernels_decode_the_eager_tokens_and_logits():
         assert logits <= 4 * 2 ** -8 * max(1.0, scale) and cache <= 2 ** -6, out["bfloat16"]["diffs"]
 
 
+_TAIL = textwrap.dedent("""
+    import json, torch
+    from mfsdp_launch.models.llama.fused_decode import FusedDecoder
+
+    out = []
+    for vocab, maxima in ((300, [7, 250]), (40000, [35000, 39999]), (40000, [5, 35000]), (32768, [32767])):
+        logits = torch.randn(1, 1, vocab).to(torch.bfloat16)
+        logits[0, 0, maxima] = 30.0  # equal maxima, in one block or in two: torch.argmax takes the first
+        token, count, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([2]), torch.tensor(9)
+        ids = torch.full((4,), -1, dtype=torch.long)
+        FusedDecoder.greedy_next(None, logits, token, ids, count, pos)
+        out.append([int(token), ids.tolist(), int(count), int(pos), int(logits.argmax())])
+    print(json.dumps(out))
+""")
+
+
+def test_the_greedy_tail_kernel_takes_the_first_maximum_and_advances():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _TAIL], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for token, ids, count, pos, want in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert token == want and ids == [-1, -1, want, -1] and count == 3 and pos == 10
+
+
 def test_what_the_fused_step_cannot_decode_is_named_and_refused_in_one_line():
     from mfsdp_launch.core.errors import ConfigError
     from mfsdp_launch.models.llama.dims import GPTDims
