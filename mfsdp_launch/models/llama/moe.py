@@ -140,12 +140,18 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-@torch.compiler.disable  # data-dependent group sizes: keep the compiled blocks around it static
 def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 0:
         return _no_rows(x, w1, w2)
     if x.is_cuda and grouped_mm_applies(x, w1, w2):
+        # The group sizes are data (the offsets), the shapes are not: torch.compile traces it with
+        # the block around it (as torchtitan's MoE), no graph break.
         return _grouped(x, counts, w1, w2)
+    return _data_sized(x, counts, w1, w2)
+
+
+@torch.compiler.disable  # shapes from the counts' values: compiled blocks stay static around it
+def _data_sized(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return _padded_bmm(x, counts, w1, w2)
     return _loop(x, counts, w1, w2)
@@ -220,15 +226,14 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, chosen, logits, probs = self.router(flat)
-        counts = torch.bincount(chosen.flatten(), minlength=self.cfg.experts)
-        if self.training and torch.is_grad_enabled():
-            # Computed in a checkpointed block's recompute too (the same saved tensors), kept once.
-            aux_loss, aux = self._losses(counts, logits, probs)
-            if not in_recompute():
-                self._account(counts, aux_loss, aux)
+        counts = expert_counts(chosen, self.cfg.experts)
         y = self.route(flat, weights, chosen, counts)
         if self.shared is not None:
             y = y + self.shared(flat)
+        if self.training and torch.is_grad_enabled():
+            # Computed in a checkpointed block's recompute too (the same saved tensors), kept once.
+            aux_loss, aux = self._losses(counts, logits, probs)
+            self._account(counts, aux_loss, aux)
         return y.view(shape)
 
     def _losses(self, counts: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor):
@@ -241,9 +246,13 @@ class MoE(nn.Module):
         z = torch.logsumexp(logits, dim=-1).pow(2).mean() if m.z_loss_coef else 0.0
         return m.aux_loss_coef * aux + m.z_loss_coef * z, aux
 
+    @torch.compiler.disable  # state kept across calls, and the recompute test: the forward's one graph break, last
     def _account(self, counts: torch.Tensor, aux_loss, aux: torch.Tensor) -> None:
         """Keep the balancing losses for the loss (models/llama/moe_stats.py) and this
-        micro-batch's load (metrics, the sigmoid router's bias)."""
+        micro-batch's load (metrics, the sigmoid router's bias), once: not again in a
+        checkpointed block's recompute."""
+        if in_recompute():
+            return
         r = self.router
         self.aux_loss = aux_loss
         with torch.no_grad():
@@ -255,6 +264,13 @@ class MoE(nn.Module):
         """Each token through its experts, weighted and summed back ([N, dim] -> [N, dim])."""
         experts = self.experts if self.dispatcher is None else partial(self.dispatcher.run, experts=self.experts)
         return route_tokens(flat, weights, chosen, counts, experts, expert_capacity(flat.shape[0], self.cfg))
+
+
+def expert_counts(chosen: torch.Tensor, experts: int) -> torch.Tensor:
+    """Routed slots per expert ([experts], int64) of the top-k choices `chosen` [N, k]. A
+    scatter-add, not bincount, whose output size depends on the values (a graph break)."""
+    flat = chosen.flatten()
+    return torch.zeros(experts, dtype=torch.long, device=chosen.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def route_tokens(flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor,
