@@ -17,10 +17,10 @@ Under PDL (programmatic dependent launch, Hopper and later) each kernel is launc
 before it finishes: it first requests what the previous kernel does not write (its first weight
 block; attention its cache rows before `pos`), then waits for that kernel (`gdc_wait`). Every
 kernel waits before it ends, so a kernel done means all before it done: past the wait, whatever
-any earlier kernel wrote is visible. What runs before the wait reads only what no kernel of the
-step writes. When the next kernel may launch is the PDL constexpr: AFTER_WAIT (1) lets it in once
-this one's wait is over, AT_START (2) as soon as this one starts (the next one's early loads then
-overlap this one's wait too); 0 is no PDL.
+any earlier kernel wrote is visible. Before the wait a kernel reads only what none of its token's
+kernels writes (greedy_next, a plain launch, ends each token's chain). When the next kernel may
+launch is the PDL constexpr: AFTER_WAIT (1) once this one's wait is over, AT_START (2) as soon as
+this one starts (the next one's early loads then overlap this one's wait too); 0 is no PDL.
 """
 
 from __future__ import annotations
@@ -259,11 +259,11 @@ def attention(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, d
 
 
 @triton.jit
-def greedy_next(logits_ptr, token_ptr, pos_ptr, ids_ptr, count_ptr, V, PDL: tl.constexpr, BLOCK: tl.constexpr):
+def greedy_next(logits_ptr, token_ptr, pos_ptr, ids_ptr, count_ptr, V, BLOCK: tl.constexpr):
     """A greedy token's bookkeeping in one program: token = argmax(logits) (the first of equal
     maxima, as torch.argmax), ids[count] = token, then pos and count + 1 (tools/generate.py
-    GreedyLoop). Launched without PDL, so the next token's kernels start after it."""
-    _after_previous_kernel(PDL)
+    GreedyLoop). Launched without PDL: the next token's kernels, whose early loads read pos and
+    the cache, start after it and after every kernel of this token."""
     best = tl.full([], float("-inf"), tl.float32)
     best_at = tl.full([], 0, tl.int64)
     for v0 in range(0, V, BLOCK):

@@ -132,7 +132,7 @@ class FusedDecoder:
         from .decode_kernels import greedy_next
 
         vocab = logits.shape[-1]
-        greedy_next[(1,)](logits, token, pos, ids, count, vocab, PDL=0, BLOCK=min(triton.next_power_of_2(vocab), 32768),
+        greedy_next[(1,)](logits, token, pos, ids, count, vocab, BLOCK=min(triton.next_power_of_2(vocab), 32768),
                           num_warps=16)
 
     def _gemv(self, x, norm_weight, weight, out, residual: bool = True) -> None:

@@ -53,12 +53,17 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_interpreted_kernels_decode_the_eager_tokens_and_logits():
+def _interpreted(script: str):
+    """What `script` prints last (JSON), run in a process whose Triton kernels run in the interpreter."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_interpreted_kernels_decode_the_eager_tokens_and_logits():
+    out = _interpreted(_SCRIPT)
     assert out["float32"]["splits"] == 2  # the cache's two tiles each in a slice
     for logits, scale, cache in out["float32"]["diffs"]:
         assert logits <= 1e-5 * max(1.0, scale) and cache <= 1e-6, out["float32"]["diffs"]
@@ -86,11 +91,7 @@ _TAIL = textwrap.dedent("""
 
 
 def test_the_greedy_tail_kernel_takes_the_first_maximum_and_advances():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _TAIL], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for token, ids, count, pos, want in json.loads(proc.stdout.strip().splitlines()[-1]):
+    for token, ids, count, pos, want in _interpreted(_TAIL):
         assert token == want and ids == [-1, -1, want, -1] and count == 3 and pos == 10
 
 
