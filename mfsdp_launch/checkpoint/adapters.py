@@ -29,7 +29,7 @@ def peft_section(model_cfg) -> Optional[dict]:
         return None
     p, fam = model_cfg.peft, family(str(model_cfg.name))
     base = fam.base_dir(model_cfg)
-    return {"kind": "lora", "r": int(p.r), "alpha": float(p.alpha), "dropout": float(p.dropout),
+    return {"kind": str(p.kind), "r": int(p.r), "alpha": float(p.alpha), "dropout": float(p.dropout),
             "targets": [str(t) for t in p.targets],
             "base": {"key": fam.base_key, "path": str(Path(base).expanduser().absolute()) if base else None,
                      "checksum": None}}
@@ -38,8 +38,10 @@ def peft_section(model_cfg) -> Optional[dict]:
 def of(info_or_manifest: dict) -> Optional[dict]:
     """The `model.peft` section of manifest info or of a manifest; None without adapters (also for
     a manifest whose model section is the raw model config, whose peft has no base)."""
+    from ..models.lora import KINDS
+
     section = ((info_or_manifest or {}).get("model") or {}).get("peft")
-    return section if isinstance(section, dict) and section.get("kind") == "lora" and "base" in section else None
+    return section if isinstance(section, dict) and section.get("kind") in KINDS and "base" in section else None
 
 
 def base_files(base_dir: Path) -> List[str]:

@@ -20,6 +20,7 @@ import torch
 from ..core.sharding import ZeroStrategy
 from ..mesh import replicate_mesh
 from ..components.precision import torch_dtype
+from ..models import qlora
 from .base import Engine
 
 
@@ -52,18 +53,21 @@ class FSDP2Engine(Engine):
         mesh = self._shard_mesh()
         reshard = zero is ZeroStrategy.optim_grads_params
         units = [m for m in model.modules() if isinstance(m, spec.unit_modules) and m is not model]
-        offload = {}
+        keys = {}
+        whole = qlora.replicated(model)  # model.peft.kind=qlora: the NF4 base stays whole on every rank
+        if whole:
+            keys["ignored_params"] = whole
         if self.cpu_offload:  # train.cpu_offload: shards (and so gradients and Adam's moments) on the host
             from torch.distributed.fsdp import CPUOffloadPolicy
 
-            offload["offload_policy"] = CPUOffloadPolicy()
+            keys["offload_policy"] = CPUOffloadPolicy()
         for experts in [m for m in model.modules() if getattr(m, "fsdp_mesh", None) is not None]:
             # mesh.ep > 1: the experts' own fully_shard over the expert-data-parallel mesh, before
             # their block's (models/llama/expert_parallel.py).
-            fully_shard(experts, mesh=experts.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
+            fully_shard(experts, mesh=experts.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard, **keys)
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
+            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **keys)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **keys)
         if init_on_meta:
             model.to_empty(device="cpu" if self.cpu_offload else self.device)
             if self.frozen_dtype is None:

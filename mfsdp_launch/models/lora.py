@@ -31,10 +31,13 @@ INSTALL_HINT = "pip install 'mfsdp-launch[peft]'"
 Modules = Mapping[str, Optional[Tuple[int, int]]]
 
 
+KINDS = ("lora", "qlora")  # model.peft.kind values that train adapters (qlora: over an NF4 base)
+
+
 def enabled(m) -> bool:
-    """Whether the `model` section `m` trains LoRA adapters."""
+    """Whether the `model` section `m` trains LoRA adapters (model.peft.kind=lora|qlora)."""
     peft = getattr(m, "peft", None)
-    return peft is not None and str(getattr(peft, "kind", "none")) == "lora"
+    return peft is not None and str(getattr(peft, "kind", "none")) in KINDS
 
 
 def scaling(p) -> float:
@@ -87,16 +90,17 @@ def check_config(m, fam, *, seq_len: int, tp: int, cuda_graph: bool, lora_famili
         for key in ("r", "alpha", "dropout", "targets"):
             value, default = getattr(p, key), getattr(defaults, key)
             if (list(value) if key == "targets" else value) != default:
-                raise ConfigError(f"model.peft.{key}", f"is read by model.peft.kind=lora only, not {p.kind}",
+                raise ConfigError(f"model.peft.{key}", f"is read by model.peft.kind=lora|qlora only, not {p.kind}",
                                   f"model.peft.kind=lora, or {default}")
         return
     if not fam.lora:
-        raise ConfigError("model.peft.kind", f"lora: model={fam.name} cannot take LoRA adapters here",
+        raise ConfigError("model.peft.kind", f"{p.kind}: model={fam.name} cannot take LoRA adapters here",
                           "none, or model=" + "|".join(lora_families))
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:  # (looked up, not imported: importing it takes seconds)
-        raise ConfigError("model.peft.kind", f"lora needs the peft library, which is not installed ({INSTALL_HINT})")
+        raise ConfigError("model.peft.kind",
+                          f"{p.kind} needs the peft library, which is not installed ({INSTALL_HINT})")
     if int(p.r) < 1:
         raise ConfigError("model.peft.r", f"must be >= 1, got {p.r}", "the adapters' rank, e.g. 8 or 16")
     if not float(p.alpha) > 0:
@@ -107,11 +111,11 @@ def check_config(m, fam, *, seq_len: int, tp: int, cuda_graph: bool, lora_famili
         value = getattr(m, fam.base_key.split(".")[-1])
         value = "null" if value is None else str(value).lower()
         raise ConfigError(fam.base_key, f"{value} gives model={fam.name} no "
-                          "pretrained base, and LoRA (model.peft.kind=lora) trains adapters over one",
+                          f"pretrained base, and LoRA (model.peft.kind={p.kind}) trains adapters over one",
                           fam.base_hint)
     if list(m.freeze):
         raise ConfigError("model.freeze", "LoRA freezes every weight of the base already",
-                          "[] with model.peft.kind=lora")
+                          f"[] with model.peft.kind={p.kind}")
     if tp > 1:
         raise ConfigError("mesh.tp", f"{tp} with LoRA: adapters on tensor-parallel layers are not wired", "1")
     if cuda_graph:
@@ -220,6 +224,11 @@ def adapt(spec, model: "nn.Module", p) -> str:
     """Give the freshly built `model` the adapters of `p`, and make `spec.init_weights` (meta-device
     init) re-initialize them after the family's own init. Returns the start-up line."""
     layers = apply_lora(model, p)
+    kept = []
+    if str(p.kind) == "qlora":
+        from . import qlora
+
+        kept = qlora.mark_base(adapter_layers(model))
     family_init = spec.init_weights
 
     def init_weights(m: "nn.Module") -> None:
@@ -229,5 +238,9 @@ def adapt(spec, model: "nn.Module", p) -> str:
     spec.init_weights = init_weights
     trained = sum(t.numel() for t in model.parameters() if t.requires_grad)
     base = sum(t.numel() for t in model.parameters() if not t.requires_grad)
-    return (f"model.peft: LoRA r={p.r} alpha={p.alpha:g} on {layers} layers ({', '.join(map(str, p.targets))}): "
-            f"{trained:,} adapter parameters train ({trained / max(base, 1):.2%} of the frozen base's {base:,})")
+    line = (f"model.peft: {'QLoRA' if str(p.kind) == 'qlora' else 'LoRA'} r={p.r} alpha={p.alpha:g} on {layers} "
+            f"layers ({', '.join(map(str, p.targets))}): {trained:,} adapter parameters train "
+            f"({trained / max(base, 1):.2%} of the frozen base's {base:,})")
+    if kept:
+        line += f"; {len(kept)} base weights stay in the compute dtype (sizes not a multiple of 64 x 256: {kept[0]})"
+    return line

@@ -41,7 +41,7 @@ from ..core.sharding import ZeroStrategy, shard_factors
 from ..core.errors import ConfigError
 from ..engines import engine_caps
 from ..mesh import ParallelDims
-from ..models import family, lora
+from ..models import family, lora, qlora
 
 GIB = 1024**3
 # TE keeps each block's FP8 weight (1 byte per element) and part of its transpose from forward to
@@ -82,6 +82,11 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
     n = fam.param_count(m)
     # (trainable, frozen) parameters: LoRA trains its adapters over a frozen base.
     train_n, frozen_n = (lora.adapter_params(fam.modules(m, t.seq_len), m.peft), n) if lora.enabled(m) else (n, 0)
+    # QLoRA: the adapted layers' base weights in NF4, whole on every rank (models/qlora.py).
+    nf4_n = 0
+    if qlora.enabled(m):
+        nf4_n = qlora.nf4_params(lora.targeted(fam.modules(m, t.seq_len), list(m.peft.targets)))
+    frozen_n -= nf4_n
     compute_b = Dtype(pc.compute_dtype or Dtype.fp32).bytes
     weight_b = 1 if cfg.fp8.params else compute_b  # fp8.params: the compute weights are FP8
     main_b = Dtype(pc.main_params_dtype).bytes if pc.main_params_dtype else 0
@@ -120,6 +125,9 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
         _as_fsdp2(est, (train_n, frozen_n), unit, weight_b, main_b, grad_b, zero, dims, t.grad_accum_steps)
         _experts_over_ep(est, fam.expert_params(m), fam.unit_expert_params(m), weight_b, zero, dims)
         reserve = _fsdp2_tp_reserve(n, grad_b, zero, dims, tp)
+    if nf4_n:  # never sharded, never gathered
+        est.params += nf4_n * qlora.NF4_BYTES
+        est.gathered_units *= (n - nf4_n) / n
     if t.cpu_offload:  # FSDP2's CPUOffloadPolicy: only gathered units and activations stay on the GPU
         # (FSDP2's sharded gradients take the sharded parameters' dtype)
         _offload_to_host(est, train_n * (main_b or weight_b) / _fsdp2_shards(zero, dims))

@@ -21,7 +21,7 @@ from ..core.schema import OptimConfig, OptimName, Schedule
 from ..core.sharding import ZeroStrategy, check_sharding, single_node_outer_warning
 from ..engines import ENGINES, EngineCaps, engine_caps
 from ..mesh import ParallelDims, world_size
-from ..models import FAMILIES, ModelContext, family, lora
+from ..models import FAMILIES, ModelContext, family, lora, qlora
 from ..models.family import Parallel, Support
 from ..models.meta import meta_names, meta_names_isolated
 from . import machine
@@ -211,6 +211,8 @@ def _check_model(cfg, dims: ParallelDims, caps: EngineCaps) -> List[str]:
     lora.check_config(m, fam, seq_len=cfg.train.seq_len, tp=dims.tp,
                       cuda_graph=cfg.train.cuda_graph == CudaGraphMode.full_iteration,
                       lora_families=[name for name, f in FAMILIES.items() if f.lora])
+    if qlora.enabled(m):
+        qlora.check_config(engine=cfg.engine.name, fp8_recipe=str(cfg.fp8.recipe), compiled=bool(cfg.train.compile))
     return warnings
 
 

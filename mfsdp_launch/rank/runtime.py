@@ -24,7 +24,7 @@ from ..engines.base import Engine, apply_freeze
 from ..core.errors import ConfigError
 from ..core.fp8 import is_torchao
 from ..mesh import ParallelDims
-from ..models import ModelSpec, build_model_spec, family, lora
+from ..models import ModelSpec, build_model_spec, family, lora, qlora
 from ..components.optim import build_optimizer, build_scheduler
 from ..components.rng import seed_all
 
@@ -143,6 +143,8 @@ def build_training(cfg, rt: Runtime) -> Training:
     family(cfg.model.name).parallelize(model, cfg.model, rt.dims, rt.mesh)
     model = engine.shard(model, spec, init_on_meta=cfg.model.init_on_meta)
     family(cfg.model.name).load_weights(cfg.model, model, engine)  # model.pretrained / model.init_from
+    if qlora.enabled(cfg.model):  # the loaded base's adapted layers into NF4
+        spec.peft_line += qlora.quantize_base(model)
     if cfg.train.compile:
         from ..models.compile import compile_model
 

@@ -2,7 +2,8 @@
 uses Megatron-FSDP's frozen-parameter support (no main weights or gradient buffer for it), the
 fp32 adapters train, their checkpoint resumes to the same losses, Megatron-FSDP's meta-device init
 starts the adapters at B = 0 (the first loss is the base model's, as without meta init and as
-under FSDP2), `model=hf` trains through peft too, and the merged export loads in transformers."""
+under FSDP2), `model=hf` trains through peft too, the merged export loads in transformers, and
+QLoRA trains over an NF4 base."""
 
 from __future__ import annotations
 
@@ -71,3 +72,16 @@ def test_megatron_fsdp_hf_lora_trains(tmp_path, base):
     assert "model.peft: LoRA r=8" in out.stdout
     got = losses(run)
     assert got[4] < got[1], got
+
+
+def test_qlora_trains_over_an_nf4_base_on_one_gpu(tmp_path, base):
+    """model.peft.kind=qlora under FSDP2 on a GPU: the adapted layers' weights in NF4 (CUDA), the
+    first loss LoRA's within NF4's error, training, with meta-device init too."""
+    pytest.importorskip("torchao")
+    qlora = PEFT.replace("kind: lora", "kind: qlora")
+    out, lq = _train(tmp_path / "q", base, "engine=fsdp2", qlora, "train.steps=6")
+    assert "qlora: 16 base weights in NF4" in out.stdout, out.stdout[-2000:]
+    _, lo = _train(tmp_path / "lo", base, "engine=fsdp2", PEFT, "train.steps=1")
+    _, lm = _train(tmp_path / "qm", base, "engine=fsdp2", qlora, "train.steps=1", "model.init_on_meta=true")
+    assert lq[1] != lo[1] and lq[1] == pytest.approx(lo[1], rel=1e-2) and lm[1] == pytest.approx(lq[1], rel=1e-3)
+    assert lq[6] < lq[1], lq

@@ -224,6 +224,7 @@ def probe_hf(d: dict) -> dict:
     from ...core.globs import check_globs_match
     from . import model as H
     from ..custom.user_model import build_on_meta, resolve_unit_classes
+    from ..lora import KINDS, module_table
 
     m = SimpleNamespace(**d)
     src = H.resolve_hf_model(path=m.path, hf_config=m.hf_config or None, hf_class=m.hf_class)
@@ -232,9 +233,7 @@ def probe_hf(d: dict) -> dict:
     if m.pretrained:
         _check_weights(model, src.path, src.class_name)
     out = P.measure(model, units)
-    if str((m.peft or {}).get("kind", "none")) == "lora":  # model.peft.targets' names
-        from ..lora import module_table
-
+    if str((m.peft or {}).get("kind", "none")) in KINDS:  # model.peft.targets' names
         out["modules"] = module_table(model)
     if m.freeze:
         check_globs_match("model.freeze", m.freeze, out["param_names"], "parameter")

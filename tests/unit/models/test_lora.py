@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")
 
 LORA = "model.peft.kind=lora"
+QLORA = "model.peft.kind=qlora"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ GPT_NAMES = "lm_head, w_down, w_gate_up, wo, wqkv"
     ([*GPT, LORA, "model.peft.targets=[wqkv]", "model.peft.r=0"], "model.peft.r", "must be >= 1, got 0"),
     ([*GPT, LORA, "model.peft.targets=[wqkv]", "model.peft.alpha=0"], "model.peft.alpha", "must be > 0"),
     ([*GPT, LORA, "model.peft.targets=[wqkv]", "model.peft.dropout=1"], "model.peft.dropout", "must be in [0, 1)"),
-    ([*GPT, "model.peft.r=4"], "model.peft.r", "is read by model.peft.kind=lora only, not none"),
+    ([*GPT, "model.peft.r=4"], "model.peft.r", "is read by model.peft.kind=lora|qlora only, not none"),
     (["model=toy_transformer", LORA], "model.peft.kind",
      "lora: model=toy_transformer cannot take LoRA adapters here (allowed: none, or model=gpt|hf)"),
     ([*GPT, LORA, "model.peft.targets=[wqkv]", "model.freeze=[tok_emb.*]"], "model.freeze",
@@ -53,6 +54,10 @@ GPT_NAMES = "lm_head, w_down, w_gate_up, wo, wqkv"
      "2 with LoRA: adapters on tensor-parallel layers are not wired"),
     ([*GPT, LORA, "model.peft.targets=[wqkv]", "engine=megatron_fsdp", "optim.impl=te_fused",
       "train.cuda_graph=full_iteration"], "train.cuda_graph", "full_iteration with LoRA was never captured here"),
+    ([*GPT, QLORA, "model.peft.targets=[wqkv]", "engine=megatron_fsdp"], "model.peft.kind",
+     "qlora runs under engine=fsdp2 only: engine=megatron_fsdp shards every parameter it holds"),
+    ([*GPT, QLORA, "model.peft.targets=[wqkv]", "engine=fsdp2", "train.compile=true"], "train.compile",
+     "true with model.peft.kind=qlora was never run here"),
 ])
 def test_bad_lora_config_is_one_line_before_spawning(base, overrides, key, says):
     err = refused(*(o.format(base=base) for o in overrides))
@@ -93,3 +98,32 @@ def test_the_memory_estimate_gives_only_the_adapters_gradients_and_optimizer_sta
         # The frozen base: bf16 weights only (its fp32 main copy is gone under FSDP2 too).
         assert b.params == pytest.approx((n * 2 + adapters * (2 if engine == "megatron_fsdp" else 0)) / 8)
         assert b.grads == pytest.approx(a.grads * adapters / n)
+
+
+def test_qlora_refuses_an_fp8_recipe_in_one_line():
+    from mfsdp_launch.core.errors import ConfigError
+    from mfsdp_launch.models import qlora
+
+    with pytest.raises(ConfigError) as e:
+        qlora.check_config(engine="fsdp2", fp8_recipe="torchao_rowwise", compiled=False)
+    assert e.value.key == "fp8.recipe" and "NF4, which no FP8 recipe converts" in str(e.value)
+
+
+def test_the_memory_estimate_keeps_the_qlora_base_in_nf4_on_every_rank():
+    from mfsdp_launch.mesh import ParallelDims
+    from mfsdp_launch.models import family, lora, qlora
+    from mfsdp_launch.planner.compose import compose
+    from mfsdp_launch.planner.memory import estimate
+
+    common = ["engine=fsdp2", "model.preset=1.4b", "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32",
+              "launcher.nproc_per_node=8"]
+    lo, q = (compose([*common, f"model.peft={{kind: {k}, r: 16, targets: [wqkv, wo, w_gate_up, w_down]}}"])
+             for k in ("lora", "qlora"))
+    dims = ParallelDims.from_config(lo.mesh, 8)
+    a, b = estimate(lo, dims), estimate(q, dims)
+    nf4 = qlora.nf4_params(lora.targeted(family("gpt").modules(q.model, q.train.seq_len), list(q.model.peft.targets)))
+    assert nf4 > 0.8 * family("gpt").param_count(q.model)  # the 1.4b's blocks: every projection
+    # bf16 sharded 8 ways -> NF4 whole on each rank; the gathered units lose those weights
+    assert b.params == pytest.approx(a.params - nf4 * 2 / 8 + nf4 * qlora.NF4_BYTES)
+    assert b.gathered_units < 0.2 * a.gathered_units
+    assert (b.optimizer, b.grads, b.main_params) == (a.optimizer, a.grads, a.main_params)
