@@ -21,7 +21,7 @@ from ..core.errors import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-BLOCK, SCALER_BLOCK = 64, 256  # weights per NF4 scale; scales per fp8-quantized scaler block
+BLOCK, SCALER_BLOCK = 64, 256  # weights per NF4 scale; scales per block of their own (int8) quantization
 QUANTUM = BLOCK * SCALER_BLOCK  # a weight's size must be a multiple of this
 # Bytes a weight: 4 bits, an int8 scale per 64 weights, an fp32 factor per 256 of those scales.
 NF4_BYTES = 0.5 + 1 / BLOCK + 4 / QUANTUM
