@@ -174,7 +174,7 @@ class PeftKind(Choice):
 
     none = "none"  # every parameter trains (or model.freeze's complement)
     lora = "lora"  # low-rank adapters on model.peft.targets; the pretrained base stays frozen
-    qlora = "qlora"  # lora over a base whose adapted layers are 4-bit NF4, whole on every rank (models/qlora.py)
+    qlora = "qlora"  # lora over a base whose linear layers are 4-bit NF4, whole on every rank (models/qlora.py)
 
 
 @dataclass

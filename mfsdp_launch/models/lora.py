@@ -228,7 +228,7 @@ def adapt(spec, model: "nn.Module", p) -> str:
     if str(p.kind) == "qlora":
         from . import qlora
 
-        kept = qlora.mark_base(adapter_layers(model))
+        kept = qlora.mark_base(model)
     family_init = spec.init_weights
 
     def init_weights(m: "nn.Module") -> None:
@@ -242,5 +242,6 @@ def adapt(spec, model: "nn.Module", p) -> str:
             f"layers ({', '.join(map(str, p.targets))}): {trained:,} adapter parameters train "
             f"({trained / max(base, 1):.2%} of the frozen base's {base:,})")
     if kept:
-        line += f"; {len(kept)} base weights stay in the compute dtype (sizes not a multiple of 64 x 256: {kept[0]})"
+        line += (f"; {len(kept)} linear layers stay in the compute dtype (sizes not a multiple of 64 x 256: "
+                 f"{kept[0]})")
     return line

@@ -1,6 +1,8 @@
-"""QLoRA (`model.peft.kind=qlora`): LoRA (models/lora.py) over a base whose adapted layers keep their
+"""QLoRA (`model.peft.kind=qlora`): LoRA (models/lora.py) over a base whose linear layers keep their
 weights in 4-bit NF4 (torchao's NF4Tensor: 64-weight blocks, their scales quantized again in
-blocks of 256, QLoRA's double quantization), about 0.52 bytes a weight instead of 2.
+blocks of 256, QLoRA's double quantization), about 0.52 bytes a weight instead of 2. Every linear
+layer of the base but the output head (`lm_head`, as transformers' 4-bit loading keeps it),
+adapted or not.
 
 Those weights are replicated, not sharded: every rank holds them whole in NF4, FSDP2 leaves them
 out (`fully_shard(ignored_params=...)`), and no step gathers or reduces them; FSDP2 shards the
@@ -39,10 +41,17 @@ def quantizable(in_features: int, out_features: int) -> bool:
     return (in_features * out_features) % QUANTUM == 0
 
 
-def nf4_params(adapted) -> int:
-    """Base weights QLoRA keeps in NF4 of the adapted linear layers `adapted` ({name: (in, out)},
-    lora.targeted): those whose size NF4 takes."""
-    return sum(i * o for i, o in adapted.values() if quantizable(i, o))
+HEAD = "lm_head"  # the output head's name in gpt and in transformers' causal LMs: it stays as it is
+
+
+def is_head(name: str) -> bool:
+    return name == HEAD or name.endswith("." + HEAD)
+
+
+def nf4_params(modules) -> int:
+    """Base weights QLoRA keeps in NF4, of a model's lora.Modules table ({name: (in, out) | None})."""
+    return sum(io[0] * io[1] for name, io in modules.items()
+               if io is not None and not is_head(name) and quantizable(*io))
 
 
 def check_config(*, engine: str, fp8_recipe: str, compiled: bool) -> None:
@@ -56,23 +65,27 @@ def check_config(*, engine: str, fp8_recipe: str, compiled: bool) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(key, f"qlora keeps its base in torchao's NF4, and torchao is not installed ({INSTALL_HINT})")
     if fp8_recipe != "none":
-        raise ConfigError("fp8.recipe", f"{fp8_recipe} with model.peft.kind=qlora: the adapted layers' base weights "
-                          "are NF4, which no FP8 recipe converts", "none, or model.peft.kind=lora")
+        raise ConfigError("fp8.recipe", f"{fp8_recipe} with model.peft.kind=qlora: the base's linear layers are NF4, "
+                          "which no FP8 recipe converts", "none, or model.peft.kind=lora")
     if compiled:
         raise ConfigError("train.compile", "true with model.peft.kind=qlora was never run here (NF4 weights under "
                           "torch.compile)", "false, or model.peft.kind=lora")
 
 
-def mark_base(layers: list) -> List[str]:
-    """Mark the base weight of each adapted layer (peft's LoraLayer) whose size NF4 takes; returns
-    the names of the base layers that stay in the compute dtype (their sizes)."""
+def mark_base(model: "nn.Module") -> List[str]:
+    """Mark the frozen linear layers of the adapted `model` (the adapters' base layers among them)
+    that go to NF4; returns the sizes of those that stay in the compute dtype, the head aside."""
+    from torch import nn
+
+    outputs = getattr(model, "get_output_embeddings", lambda: None)()  # transformers' own head
     kept = []
-    for layer in layers:
-        base = layer.get_base_layer()
-        if quantizable(base.in_features, base.out_features):
-            setattr(base, _MARK, True)
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.weight.requires_grad or is_head(name) or module is outputs:
+            continue
+        if quantizable(module.in_features, module.out_features):
+            setattr(module, _MARK, True)
         else:
-            kept.append(f"{base.out_features}x{base.in_features}")
+            kept.append(f"{module.out_features}x{module.in_features}")
     return kept
 
 

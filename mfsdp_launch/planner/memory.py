@@ -83,9 +83,7 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
     # (trainable, frozen) parameters: LoRA trains its adapters over a frozen base.
     train_n, frozen_n = (lora.adapter_params(fam.modules(m, t.seq_len), m.peft), n) if lora.enabled(m) else (n, 0)
     # QLoRA: the adapted layers' base weights in NF4, whole on every rank (models/qlora.py).
-    nf4_n = 0
-    if qlora.enabled(m):
-        nf4_n = qlora.nf4_params(lora.targeted(fam.modules(m, t.seq_len), list(m.peft.targets)))
+    nf4_n = qlora.nf4_params(fam.modules(m, t.seq_len)) if qlora.enabled(m) else 0
     frozen_n -= nf4_n
     compute_b = Dtype(pc.compute_dtype or Dtype.fp32).bytes
     weight_b = 1 if cfg.fp8.params else compute_b  # fp8.params: the compute weights are FP8

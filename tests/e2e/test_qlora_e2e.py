@@ -1,6 +1,6 @@
 """QLoRA (model.peft.kind=qlora, models/qlora.py) as mfsdp-train's ranks run it: `gpt` over a Hugging
-Face Llama base on 2 gloo ranks under FSDP2. The adapted layers' base weights become NF4, whole on
-each rank; the first loss is LoRA's within NF4's error; checkpoints hold the adapters only, with
+Face Llama base on 2 gloo ranks under FSDP2. The base's linear layers but the head become NF4,
+whole on each rank; the first loss is LoRA's within NF4's error; checkpoints hold the adapters only, with
 the run's kind; a resume from a checkpoint quantizes the base again and continues on the same
 losses, bitwise."""
 

@@ -111,7 +111,7 @@ def test_qlora_refuses_an_fp8_recipe_in_one_line():
 
 def test_the_memory_estimate_keeps_the_qlora_base_in_nf4_on_every_rank():
     from mfsdp_launch.mesh import ParallelDims
-    from mfsdp_launch.models import family, lora, qlora
+    from mfsdp_launch.models import family, qlora
     from mfsdp_launch.planner.compose import compose
     from mfsdp_launch.planner.memory import estimate
 
@@ -121,9 +121,39 @@ def test_the_memory_estimate_keeps_the_qlora_base_in_nf4_on_every_rank():
              for k in ("lora", "qlora"))
     dims = ParallelDims.from_config(lo.mesh, 8)
     a, b = estimate(lo, dims), estimate(q, dims)
-    nf4 = qlora.nf4_params(lora.targeted(family("gpt").modules(q.model, q.train.seq_len), list(q.model.peft.targets)))
+    nf4 = qlora.nf4_params(family("gpt").modules(q.model, q.train.seq_len))
     assert nf4 > 0.8 * family("gpt").param_count(q.model)  # the 1.4b's blocks: every projection
     # bf16 sharded 8 ways -> NF4 whole on each rank; the gathered units lose those weights
     assert b.params == pytest.approx(a.params - nf4 * 2 / 8 + nf4 * qlora.NF4_BYTES)
     assert b.gathered_units < 0.2 * a.gathered_units
     assert (b.optimizer, b.grads, b.main_params) == (a.optimizer, a.grads, a.main_params)
+
+
+def test_qlora_quantizes_every_frozen_linear_but_the_head_adapted_or_not():
+    pytest.importorskip("torchao")
+    from helpers import model_cfg
+    from mfsdp_launch.core.schema import PeftConfig
+    from mfsdp_launch.models import family, lora, qlora
+
+    m = model_cfg("gpt", preset="tiny", dim=128, ffn_dim=256, vocab_size=256)
+    m.peft = PeftConfig(kind="qlora", r=2, alpha=4.0, targets=["wqkv"])
+    spec = family("gpt").spec(m, 16)
+    model = spec.build()
+    line = lora.adapt(spec, model, m.peft)
+    marked = {id(p) for p in qlora.replicated(model)}
+    linears = {n: mod for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    for name, mod in linears.items():
+        frozen_body = not mod.weight.requires_grad and name != "lm_head"
+        assert (id(mod.weight) in marked) == frozen_body, name
+    assert any(n.endswith("w_down") for n, mod in linears.items() if id(mod.weight) in marked)  # not adapted
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        before = model(ids)
+        line += qlora.quantize_base(model)
+        after = model(ids)
+    from torchao.quantization import NF4Tensor
+
+    assert all(isinstance(p.data, NF4Tensor) for p in qlora.replicated(model))
+    assert f"qlora: {len(marked)} base weights in NF4" in line
+    rel = ((after - before).norm() / before.norm()).item()
+    assert 0 < rel < 0.2, rel  # NF4's error (4 bits a weight), no more
