@@ -7,12 +7,12 @@ the kernels' summed GPU time per token against the wall time per token, and the 
 
 Settings: `triton` is the fused kernels (models/llama/fused_decode.py, mfsdp-generate's default on
 a GPU), `triton_nopdl` the same launched without programmatic dependent launch, `triton_early`
-with each kernel letting the next one launch as soon as it starts (decode_kernels.AT_START); the rest are torch.compile's step under an Inductor config patched while it compiles:
-`shipped` is `--decoder compile` as it is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate
-descent tuning, which turns every [1, d] x [d, n] matmul into a tuned Triton reduction fused with
-its neighbours (gpt-fast's setting); `autotune` (not in the default list: its compile takes
-minutes) lets Inductor time cuBLAS against its Triton templates for every matmul shape and keep
-the faster.
+with each kernel letting the next one launch as soon as it starts (decode_kernels.AT_START); the
+rest are torch.compile's step under an Inductor config patched while it compiles: `shipped` is
+`--decoder compile` as it is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate descent
+tuning, which turns every [1, d] x [d, n] matmul into a tuned Triton reduction fused with its
+neighbours (gpt-fast's setting); `autotune` (not in the default list: its compile takes minutes)
+lets Inductor time cuBLAS against its Triton templates for every matmul shape and keep the faster.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     from mfsdp_launch.models.llama.fused_decode import FusedDecoder
     from mfsdp_launch.tools.generate import graphed_decoder
 
-    settings = {"triton": {}, "triton_nopdl": {}, "triton_early": {}, "shipped": {}, "cdt": {"coordinate_descent_tuning": True},
+    settings = {"triton": {}, "triton_nopdl": {}, "triton_early": {}, "shipped": {},
+                "cdt": {"coordinate_descent_tuning": True},
                 "autotune": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"}}
     torch.manual_seed(0)
     dims = resolve_gpt_dims(SimpleNamespace(preset=args.preset))
@@ -103,9 +104,7 @@ def main(argv=None) -> int:
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     out = {"preset": args.preset, "max_len": args.max_len, "weight_gb": round(weight_bytes / 1e9, 3),
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "rows": []}
-    from mfsdp_launch.models.llama import fused_decode
-
-    from mfsdp_launch.models.llama import decode_kernels
+    from mfsdp_launch.models.llama import decode_kernels, fused_decode
 
     shipped_pdl = fused_decode._pdl
     pdl_of = {"triton_nopdl": decode_kernels.NO_PDL, "triton_early": decode_kernels.AT_START}

@@ -80,11 +80,14 @@ class MemoryEstimate:
 def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
     fam, m, pc, t = family(cfg.model.name), cfg.model, cfg.precision, cfg.train
     n = fam.param_count(m)
-    # (trainable, frozen) parameters: LoRA trains its adapters over a frozen base.
-    train_n, frozen_n = (lora.adapter_params(fam.modules(m, t.seq_len), m.peft), n) if lora.enabled(m) else (n, 0)
-    # QLoRA: the adapted layers' base weights in NF4, whole on every rank (models/qlora.py).
-    nf4_n = qlora.nf4_params(fam.modules(m, t.seq_len)) if qlora.enabled(m) else 0
-    frozen_n -= nf4_n
+    # (trainable, frozen) parameters: LoRA trains its adapters over a frozen base; QLoRA keeps the
+    # base's linear layers but lm_head in NF4, whole on every rank (models/qlora.py).
+    train_n, frozen_n, nf4_n = n, 0, 0
+    if lora.enabled(m):
+        modules = fam.modules(m, t.seq_len)
+        train_n, frozen_n = lora.adapter_params(modules, m.peft), n
+        nf4_n = qlora.nf4_params(modules) if qlora.enabled(m) else 0
+        frozen_n -= nf4_n
     compute_b = Dtype(pc.compute_dtype or Dtype.fp32).bytes
     weight_b = 1 if cfg.fp8.params else compute_b  # fp8.params: the compute weights are FP8
     main_b = Dtype(pc.main_params_dtype).bytes if pc.main_params_dtype else 0

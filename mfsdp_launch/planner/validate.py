@@ -318,8 +318,9 @@ def _check_data(cfg) -> None:
     caps = engine_caps(cfg.engine.name)
     if cfg.data.doc_mask and not fam.support(caps).doc_mask:
         if fam.doc_mask:  # the family masks documents, not under this engine
+            engines = [f"engine={e}" for e, c in ENGINES.items() if fam.support(c).doc_mask]
             raise ConfigError("data.doc_mask", f"model={fam.name} cannot mask attention per document under "
-                              f"engine={caps.name}", ["false"] + [f"engine={e}" for e, c in ENGINES.items() if fam.support(c).doc_mask])
+                              f"engine={caps.name}", ["false"] + engines)
         raise ConfigError("data.doc_mask", f"model={fam.name} cannot mask attention per document",
                           ["false"] + [f"model={name}" for name, f in FAMILIES.items() if f.support(caps).doc_mask])
     if cfg.data.doc_mask and cfg.train.cuda_graph == CudaGraphMode.full_iteration:

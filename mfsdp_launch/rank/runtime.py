@@ -143,7 +143,7 @@ def build_training(cfg, rt: Runtime) -> Training:
     family(cfg.model.name).parallelize(model, cfg.model, rt.dims, rt.mesh)
     model = engine.shard(model, spec, init_on_meta=cfg.model.init_on_meta)
     family(cfg.model.name).load_weights(cfg.model, model, engine)  # model.pretrained / model.init_from
-    if qlora.enabled(cfg.model):  # the loaded base's adapted layers into NF4
+    if qlora.enabled(cfg.model):  # the loaded base's linear layers (but lm_head) into NF4
         spec.peft_line += qlora.quantize_base(model)
     if cfg.train.compile:
         from ..models.compile import compile_model
