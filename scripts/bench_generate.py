@@ -16,7 +16,15 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_variants  # noqa: E402
+
+VARIANT_MAIN = ("import json, sys; sys.path[:0] = [{scripts!r}, {root!r}]; import decode_variants; "
+                "decode_variants.apply(json.loads(sys.argv.pop(1))); from mfsdp_launch.tools.generate import main; "
+                "sys.exit(main(sys.argv[1:]))").format(scripts=str(Path(__file__).resolve().parent),
+                                                       root=str(Path(__file__).resolve().parent.parent))
 
 def run(cmd: list, timeout: float) -> subprocess.CompletedProcess:
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
@@ -33,7 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--prompt", default="def main(argv=None):\n    ")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--decoders", default="triton,compile,eager")
+    p.add_argument("--decoders", default="triton,compile,eager",
+                   help="--decoder values; triton+name=value a variant of the fused step (scripts/decode_variants.py)")
     args = p.parse_args(argv)
 
     train = [sys.executable, "-m", "mfsdp_launch", "model=gpt", f"model.preset={args.preset}", "engine=fsdp2",
@@ -44,15 +53,18 @@ def main(argv=None) -> int:
     run(train, timeout=900)
     result = {"preset": args.preset, "new_tokens": args.new_tokens, "train_cmd": shlex.join(["mfsdp-train", *train[3:]]),
               "train_s": round(time.time() - t0, 1), "rows": []}
-    for decoder in args.decoders.split(","):
-        gen = [sys.executable, "-m", "mfsdp_launch.tools.generate", args.run_dir, "--prompt", args.prompt,
+    for setting in args.decoders.split(","):
+        decoder, changes = decode_variants.parse(setting)
+        # A variant runs mfsdp-generate's own main with the fused step's changes applied first.
+        launch = ["-c", VARIANT_MAIN, json.dumps(changes)] if changes else ["-m", "mfsdp_launch.tools.generate"]
+        gen = [sys.executable, *launch, args.run_dir, "--prompt", args.prompt,
                "--max-new-tokens", str(args.new_tokens), "--ignore-eos", "--dtype", "bf16", "--json",
                "--decoder", decoder]
         for attempt in range(args.repeats):
             row = json.loads(run(gen, timeout=900).stdout.strip().splitlines()[-1])
-            result["rows"].append({"decoder": decoder, "attempt": attempt, "tokens_per_s": row["tokens_per_s"],
+            result["rows"].append({"decoder": setting, "attempt": attempt, "tokens_per_s": row["tokens_per_s"],
                                    "seconds": row["seconds"], "new_tokens": row["new_tokens"],
-                                   "cmd": shlex.join(["mfsdp-generate", *gen[3:]])})
+                                   "cmd": shlex.join(["mfsdp-generate", *gen[len(launch) + 1:]])})
     print(json.dumps(result, indent=1))
     return 0
 

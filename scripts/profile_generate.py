@@ -6,8 +6,8 @@ the kernels' summed GPU time per token against the wall time per token, and the 
     python3 scripts/profile_generate.py --preset 1.4b --max-len 1024 > profile.jsonl  # a line a setting, then all
 
 Settings: `triton` is the fused kernels (models/llama/fused_decode.py, mfsdp-generate's default on
-a GPU), `triton_nopdl` the same launched without programmatic dependent launch, `triton_early`
-with each kernel letting the next one launch as soon as it starts (decode_kernels.AT_START); the
+a GPU), with `+name=value` changes (scripts/decode_variants.py: `triton+pdl=0`, alias
+`triton_nopdl`, launches without programmatic dependent launch; `triton+early=2+tune=0`, ...); the
 rest are torch.compile's step under an Inductor config patched while it compiles: `shipped` is
 `--decoder compile` as it is (torch's defaults: cuBLAS GEMVs); `cdt` is coordinate descent
 tuning, which turns every [1, d] x [d, n] matmul into a tuned Triton reduction fused with its
@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import decode_variants  # noqa: E402  (this script's folder is on the path)
 
 
 def kernel_table(torch, call, n: int, sync) -> dict:
@@ -94,8 +95,7 @@ def main(argv=None) -> int:
     from mfsdp_launch.models.llama.fused_decode import FusedDecoder
     from mfsdp_launch.tools.generate import graphed_decoder
 
-    settings = {"triton": {}, "triton_nopdl": {}, "triton_early": {}, "shipped": {},
-                "cdt": {"coordinate_descent_tuning": True},
+    settings = {"shipped": {}, "cdt": {"coordinate_descent_tuning": True},
                 "autotune": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"}}
     torch.manual_seed(0)
     dims = resolve_gpt_dims(SimpleNamespace(preset=args.preset))
@@ -104,17 +104,17 @@ def main(argv=None) -> int:
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     out = {"preset": args.preset, "max_len": args.max_len, "weight_gb": round(weight_bytes / 1e9, 3),
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "rows": []}
-    from mfsdp_launch.models.llama import decode_kernels, fused_decode
+    from mfsdp_launch.models.llama import decode_kernels
 
-    shipped_pdl = fused_decode._pdl
-    pdl_of = {"triton_nopdl": decode_kernels.NO_PDL, "triton_early": decode_kernels.AT_START}
     for name in args.settings.split(","):
         torch._dynamo.reset()
-        fused = name.startswith("triton")
-        # The PDL mode FusedDecoder reads at construction: the shipped one, or the setting's.
-        fused_decode._pdl = (lambda device, mode=pdl_of[name]: mode) if name in pdl_of else shipped_pdl
+        base, changes = decode_variants.parse(name)
+        fused = base == "triton"
+        undo = decode_variants.apply(changes)  # read by FusedDecoder at construction and launch
+        for kernel in (decode_kernels.gemv, decode_kernels.swiglu, decode_kernels.qkv_rope_cache):
+            kernel.cache.clear()  # each setting from the autotuner's own tiles (kept on disk: no re-timing)
         t0 = time.perf_counter()
-        with inductor_config.patch(settings[name]):  # the step compiles and is captured in here
+        with inductor_config.patch(settings.get(name, {})):  # the step compiles and is captured in here
             step, cache = graphed_decoder(model, args.max_len, "triton" if fused else "compile")
         compile_s = time.perf_counter() - t0
         token = torch.ones((1, 1), dtype=torch.long, device=dev)
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                 token = logits[:, -1].argmax(-1, keepdim=True)  # as generate_gpt's greedy loop
             sync()
             wall = (time.perf_counter() - t0) / args.tokens
-        row = {"setting": name, "inductor": settings[name], "compile_s": round(compile_s, 1),
+        row = {"setting": name, "inductor": settings.get(name, {}), "compile_s": round(compile_s, 1),
                "tokens_per_s": round(1 / wall, 1), "ms_per_token": round(wall * 1e3, 4),
                "hbm_tb_s_at_wall": round(weight_bytes / wall / 1e12, 2)}
         # mfsdp-generate's greedy path: the graphs with the argmax fed back (GreedyLoop), chunks of
@@ -149,12 +149,13 @@ def main(argv=None) -> int:
         row["graph"] = kernel_table(torch, lambda: step(model, token, pos, cache), args.profile_tokens, sync)
         if fused:
             bare = FusedDecoder(model, cache)
-            row["pdl"] = bare.pdl
+            row["pdl"], row["changes"], row["graph_tiles"] = bare.pdl, changes, getattr(getattr(step, "step", step), "tiles", {})
             row["tiles"] = _tiles()
         else:
             bare = torch.compile(decode_step, fullgraph=True)
-        with inductor_config.patch(settings[name]):  # torch.compile compiles at the first call, in here
+        with inductor_config.patch(settings.get(name, {})):  # torch.compile compiles at the first call, in here
             row["no_graph"] = kernel_table(torch, lambda: bare(model, token, pos, cache), args.profile_tokens, sync)
+        undo()
         out["rows"].append(row)
         print(json.dumps(row), flush=True)  # row by row: a call that runs out of time keeps the rows done
         print(f"{name}: {row['tokens_per_s']} tokens/s (greedy loop {row['greedy_tokens_per_s']}), "

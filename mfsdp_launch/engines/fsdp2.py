@@ -52,7 +52,11 @@ class FSDP2Engine(Engine):
             _cast(model, main_dtype, self.frozen_dtype)
         mesh = self._shard_mesh()
         reshard = zero is ZeroStrategy.optim_grads_params
-        units = [m for m in model.modules() if isinstance(m, spec.unit_modules) and m is not model]
+        # fully_shard takes every parameter under its module that no earlier call took, so units go
+        # bottom-up: wrapped after its parent, a nested unit (te_gpt's attention proj te.Linear inside
+        # its TransformerLayer) would find its weight a DTensor already, which FSDP2 takes for a TP
+        # shard, and TE would hand that weight's null data pointer to cuBLAS.
+        units = [m for m in model.modules() if isinstance(m, spec.unit_modules) and m is not model][::-1]
         keys = {}
         whole = qlora.replicated(model)  # model.peft.kind=qlora: the NF4 base stays whole on every rank
         if whole:

@@ -38,6 +38,10 @@ def test_the_captured_decode_step_gives_the_eager_tokens(decoder):
     new = 80  # past one 64-position attention tile
     step, cache = graphed_decoder(model, max(map(len, prompts)) + new, decoder)
     assert step.__name__ == "replay"  # the CUDA-graph path, not the bare step
+    if decoder == "triton":  # every shape's tile re-picked in the graph (wo, w_down, head, swiglu, qkv), and
+        # a second process's choice read back from the cache dir: here the same choice
+        assert len(step.step.tiles) == 5, step.step.tiles
+        assert graphed_decoder(model, max(map(len, prompts)) + new, decoder)[0].step.tiles == step.step.tiles
     with torch.inference_mode():
         for prompt in prompts:
             eager = generate_gpt(model, prompt, max_new_tokens=new, eos_id=None)

@@ -350,21 +350,21 @@ def _te_packed_cli(name: str, *extra: str) -> list:
     return [r["loss"] for r in rows]
 
 
-@pytest.mark.parametrize("extra", [["model.activation_checkpointing=full"], []])
+@pytest.mark.parametrize("extra", [["engine=megatron_fsdp", "model.activation_checkpointing=full"],
+                                   ["engine=megatron_fsdp"], ["engine=fsdp2"]])
 def test_te_gpt_doc_mask_trains_through_the_cli(extra):
-    """data.pack=documents data.doc_mask=true on te_gpt under Megatron-FSDP: trains (under
-    activation checkpointing the recompute runs THD too). Under engine=fsdp2 it is refused
-    (TEGPTFamily.support)."""
+    """data.pack=documents data.doc_mask=true on te_gpt trains under both engines (under
+    activation checkpointing the recompute runs THD too)."""
     require_gpus(1)
     require_te()
-    losses = _te_packed_cli(f"te_docs_{len(extra)}", "engine=megatron_fsdp", "data.doc_mask=true", *extra)
+    losses = _te_packed_cli(f"te_docs_{'_'.join(e.split('=')[-1] for e in extra)}", "data.doc_mask=true", *extra)
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
 
 def test_te_gpt_trains_under_fsdp2():
-    """te_gpt under engine=fsdp2 without document masks, the same run otherwise: whether its first
-    step's GEMM failure with THD (session 19: cuBLAS refused the attention output projection) is
-    FSDP2's, not THD's. No other GPU test runs te_gpt under FSDP2."""
+    """te_gpt under engine=fsdp2 without document masks. Its attention proj te.Linear is an FSDP2
+    unit inside its layer's unit: wrapped top-down, the proj weight reached TE's GEMM as a DTensor
+    with a null data pointer (session 19's cuBLAS error; engines/fsdp2.py now wraps bottom-up)."""
     require_gpus(1)
     require_te()
     losses = _te_packed_cli("te_fsdp2_plain", "engine=fsdp2")

@@ -14,8 +14,8 @@ outputs are rounded to the weights' dtype, sums are fp32. `pos` is read from dev
 CUDA graph serves every position.
 
 Under PDL (programmatic dependent launch, Hopper and later) each kernel is launched while the one
-before it finishes: it first requests what the previous kernel does not write (its first weight
-block; attention its cache rows before `pos`), then waits for that kernel (`gdc_wait`). Every
+before it finishes: it first requests what the previous kernel does not write (its first EARLY
+weight blocks, 1 or 2; attention its cache rows before `pos`), then waits for that kernel (`gdc_wait`). Every
 kernel waits before it ends, so a kernel done means all before it done: past the wait, whatever
 any earlier kernel wrote is visible. Before the wait a kernel reads only what none of its token's
 kernels writes (greedy_next, a plain launch, ends each token's chain). When the next kernel may
@@ -48,9 +48,9 @@ NO_PDL, AFTER_WAIT, AT_START = 0, 1, 2  # the kernels' PDL constexpr (the module
 _TILES = [(8, 256, 4, 3), (4, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3),
           (4, 1024, 4, 2), (8, 1024, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2), (4, 2048, 4, 2), (4, 2048, 8, 2),
           (8, 2048, 8, 2), (2, 2048, 4, 2), (2, 4096, 8, 2), (4, 4096, 8, 2)]
-if os.environ.get("TRITON_INTERPRET") == "1":  # no GPU to time tiles on: one (the CPU test's dims take
-    # both of its K paths, whole blocks and a masked last one)
-    _TILES = _TILES[:1]
+if os.environ.get("TRITON_INTERPRET") == "1":  # no GPU to time tiles on: one, whose K blocks the CPU
+    # test's dims take both ways (whole blocks and a masked last one), two or more a row
+    _TILES = [(8, 128, 4, 3)]
 # Where the installed Triton can, a shape's timings are kept in its cache dir, so only the first
 # process that decodes a shape pays the ~26 s of timing 16 tiles for five kernels.
 _KEEP = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
@@ -63,11 +63,17 @@ def _even_k(args) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
 
+def _x_block(args) -> int:
+    """The elements of x that `_inv_rms` loads at once: all of them up to 8192, so that the norm,
+    which every NORM kernel computes right after its wait, costs one load's latency, not K / BLOCK_K."""
+    return min(triton.next_power_of_2(args["K"]), 8192)
+
+
 @triton.jit
-def _inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
-    acc = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+def _inv_rms(x_ptr, K, eps, X_BLOCK: tl.constexpr):
+    acc = tl.zeros([X_BLOCK], tl.float32)
+    for k0 in range(0, K, X_BLOCK):
+        cols = k0 + tl.arange(0, X_BLOCK)
         v = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         acc += v * v
     return tl.rsqrt(tl.sum(acc, 0) / K + eps)
@@ -104,21 +110,24 @@ def _weights(w_ptr, rows, row_ok, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.const
 
 @triton.jit
 def _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM: tl.constexpr, EVEN_K: tl.constexpr,
-              PDL: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 sums of W[rows, :] * x' ([R]), x' = RMSNorm(x; g) rounded (NORM) or x. The first weight
-    block is requested before waiting on the kernel that wrote x; each next block while the current
-    one is summed."""
+              PDL: tl.constexpr, EARLY: tl.constexpr, X_BLOCK: tl.constexpr, R: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """fp32 sums of W[rows, :] * x' ([R]), x' = RMSNorm(x; g) rounded (NORM) or x. The first EARLY
+    (1 or 2) weight blocks are requested before waiting on the kernel that wrote x; then each block
+    EARLY ahead while the current one is summed."""
     _on_start(PDL)
     rows = rows.to(tl.int64)  # rows * K passes 2**31 for big heads
     w = _weights(w_ptr, rows, row_ok, 0, K, EVEN_K, BLOCK_K)
+    if EARLY == 2:
+        w_second = _weights(w_ptr, rows, row_ok, BLOCK_K, K, EVEN_K, BLOCK_K)
     _after_previous_kernel(PDL)
     if NORM:
-        inv_rms = _inv_rms(x_ptr, K, eps, BLOCK_K)
+        inv_rms = _inv_rms(x_ptr, K, eps, X_BLOCK)
     else:
         inv_rms = 1.0
     acc = tl.zeros([R, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_next = _weights(w_ptr, rows, row_ok, k0 + BLOCK_K, K, EVEN_K, BLOCK_K)
+        w_next = _weights(w_ptr, rows, row_ok, k0 + EARLY * BLOCK_K, K, EVEN_K, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x = tl.load(x_ptr + cols)
@@ -128,19 +137,22 @@ def _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM: tl.constexpr, EVE
             g = tl.load(g_ptr + cols, mask=cols < K, other=0.0)
             x = (x.to(tl.float32) * inv_rms * g.to(tl.float32)).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w = w_next
+        if EARLY == 2:
+            w, w_second = w_second, w_next
+        else:
+            w = w_next
     return tl.sum(acc, 1)
 
 
 @triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "RESIDUAL"], restore_value=["out_ptr"], **_KEEP)
-@triton.heuristics({"EVEN_K": _even_k})
+@triton.heuristics({"EVEN_K": _even_k, "X_BLOCK": _x_block})
 @triton.jit
 def gemv(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-         EVEN_K: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+         EARLY: tl.constexpr, EVEN_K: tl.constexpr, X_BLOCK: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[N] = W[N, K] @ x' (x' = RMSNorm(x; g) under NORM), plus out's own values under RESIDUAL."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     row_ok = rows < N
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM, EVEN_K, PDL, R, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, NORM, EVEN_K, PDL, EARLY, X_BLOCK, R, BLOCK_K)
     y = y.to(out_ptr.dtype.element_ty)
     if RESIDUAL:
         y = (tl.load(out_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(y.dtype)
@@ -148,16 +160,16 @@ def gemv(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, RESIDUAL: 
 
 
 @triton.autotune(configs=_PAIRED_CONFIGS, key=["N", "K"], **_KEEP)
-@triton.heuristics({"EVEN_K": _even_k})
+@triton.heuristics({"EVEN_K": _even_k, "X_BLOCK": _x_block})
 @triton.jit
-def swiglu(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, PDL: tl.constexpr, EVEN_K: tl.constexpr, B: tl.constexpr,
-           BLOCK_K: tl.constexpr):
+def swiglu(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, PDL: tl.constexpr, EARLY: tl.constexpr, EVEN_K: tl.constexpr,
+           X_BLOCK: tl.constexpr, B: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[N] = silu(gate) * up of W = [gate; up] ([2N, K]) @ RMSNorm(x; g)."""
     pair = tl.arange(0, 2 * B)
     first = tl.program_id(0) * B
     rows = first + pair // 2 + (pair % 2) * N  # gate row j beside up row N + j
     row_ok = first + pair // 2 < N
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, True, EVEN_K, PDL, 2 * B, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, row_ok, K, True, EVEN_K, PDL, EARLY, X_BLOCK, 2 * B, BLOCK_K)
     gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (B, 2)))
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     j = first + tl.arange(0, B)
@@ -165,11 +177,12 @@ def swiglu(x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps, PDL: tl.constexpr, EVEN_K: t
 
 
 @triton.autotune(configs=_PAIRED_CONFIGS, key=["K", "N_HEADS", "N_KV", "HEAD_DIM"], **_KEEP)
-@triton.heuristics({"EVEN_K": _even_k})
+@triton.heuristics({"EVEN_K": _even_k, "X_BLOCK": _x_block})
 @triton.jit
 def qkv_rope_cache(x_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, K, eps, cache_len,
                    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
-                   EVEN_K: tl.constexpr, B: tl.constexpr, BLOCK_K: tl.constexpr):
+                   EARLY: tl.constexpr, EVEN_K: tl.constexpr, X_BLOCK: tl.constexpr, B: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     """wqkv @ RMSNorm(x; g): q heads rotated into q_ptr, the kv heads' k (rotated) and v into row
     `pos` of the caches ([N_KV, cache_len, HEAD_DIM] each). A program owns B rotation pairs of a head."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -179,7 +192,8 @@ def qkv_rope_cache(x_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, q_ptr, k_cache_pt
     pair = tl.arange(0, 2 * B)
     in_half = (tl.program_id(0) % per_head) * B + pair // 2
     rows = head * HEAD_DIM + in_half + (pair % 2) * HALF
-    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, in_half < HALF, K, True, EVEN_K, PDL, 2 * B, BLOCK_K)
+    y = _dot_rows(w_ptr, x_ptr, g_ptr, eps, rows, in_half < HALF, K, True, EVEN_K, PDL, EARLY, X_BLOCK, 2 * B,
+                  BLOCK_K)
     lo, hi = tl.split(tl.reshape(y.to(q_ptr.dtype.element_ty).to(tl.float32), (B, 2)))
     pos = tl.load(pos_ptr)
     if head < N_HEADS + N_KV:  # q and k turn by the position's angles ("rotate half", as apply_rope)
@@ -219,11 +233,12 @@ def attention(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, d
     k = tl.load(k_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=old[:, None], other=0.0)
     v = tl.load(v_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=old[:, None], other=0.0)
     _after_previous_kernel(PDL)
+    q = tl.load(q_ptr + head * HEAD_DIM + d)  # requested before the new row's loads, so the two overlap
     if end == n:  # this slice holds the new row: read it now that it is written
         new = (at == pos)[:, None]
         k = tl.where(new, tl.load(k_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=new, other=0.0), k)
         v = tl.where(new, tl.load(v_cache_ptr + kv + at[:, None] * HEAD_DIM + d[None, :], mask=new, other=0.0), v)
-    q = tl.load(q_ptr + head * HEAD_DIM + d).to(tl.float32) * scale
+    q = q.to(tl.float32) * scale
     m = tl.full([], -1e30, tl.float32)  # finite, so an empty slice merges with weight exp(-huge) = 0
     total = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)

@@ -61,6 +61,12 @@ class FusedDecoder:
     """One token per call through the fused kernels, into buffers it owns (see the module doc)."""
 
     BLOCK_L = 64  # cache positions per attention tile
+    WAVES = 2  # attention programs: enough slices per head to fill the GPU this many times over
+    # Weight blocks each GEMV requests before waiting on the previous kernel (1 or 2): two, with the
+    # tiles re-picked in the graph (GRAPH_TUNE, decode_tuning.py), took mfsdp-generate on the 1.4b
+    # from 1,004 to 1,021 tokens/s (bench/reports/2026-12-03-session20-*).
+    EARLY = 2
+    GRAPH_TUNE = True
 
     def __init__(self, model: GPT, cache):
         reason = unsupported(model, cache.keys[0].shape[0] if cache.keys else 1)
@@ -88,10 +94,10 @@ class FusedDecoder:
         self.launch = {"launch_pdl": True} if self.pdl else {}
 
     def _splits(self, max_len: int, device) -> int:
-        """Cache slices per head: enough programs to fill the GPU twice over, a power of two, and
-        no more slices than tiles in the cache."""
+        """Cache slices per head: enough programs to fill the GPU WAVES times over, a power of two,
+        and no more slices than tiles in the cache."""
         sms = 4 if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count
-        want = min(max(1, 2 * sms // self.dims.n_heads), max(1, math.ceil(max_len / self.BLOCK_L)))
+        want = min(max(1, self.WAVES * sms // self.dims.n_heads), max(1, math.ceil(max_len / self.BLOCK_L)))
         return 1 << (want.bit_length() - 1)
 
     @torch.no_grad()
@@ -109,7 +115,7 @@ class FusedDecoder:
             k.qkv_rope_cache[lambda m: (heads * triton.cdiv(hd // 2, m["B"]),)](
                 self.x, layer.attn_norm.weight, attn.wqkv.weight, self.inv_freq, pos, self.q, cache.keys[i],
                 cache.values[i], d.dim, eps, cache.max_len, N_HEADS=d.n_heads, N_KV=d.n_kv_heads, HEAD_DIM=hd,
-                PDL=self.pdl, **self.launch)
+                PDL=self.pdl, EARLY=self.EARLY, **self.launch)
             k.attention[(d.n_heads, self.splits)](
                 self.q, cache.keys[i], cache.values[i], pos, self.part_max, self.part_sum, self.part_acc,
                 self.slices_done, self.attn, cache.max_len, 1.0 / math.sqrt(hd), GROUP=d.n_heads // d.n_kv_heads,
@@ -118,10 +124,20 @@ class FusedDecoder:
             n_ffn = self.ffn.numel()
             k.swiglu[lambda m: (triton.cdiv(n_ffn, m["B"]),)](
                 self.x, layer.mlp_norm.weight, mlp.w_gate_up.weight, self.ffn, n_ffn, d.dim, eps, PDL=self.pdl,
-                **self.launch)
+                EARLY=self.EARLY, **self.launch)
             self._gemv(self.ffn, None, mlp.w_down.weight, self.x)
         self._gemv(self.x, model.norm.weight, model.head_weight, self.logits, residual=False)
         return self.logits
+
+    def tune(self, model: GPT, input_ids: torch.Tensor, pos: torch.Tensor, cache) -> dict:
+        """The tiles decode_tuning picks for this step as a CUDA graph replays it at `pos` (a GPU;
+        every shape autotuned by a first call), {shape: tile}; {} when GRAPH_TUNE is off."""
+        if not self.GRAPH_TUNE:
+            return {}
+        from .decode_tuning import tune_in_graph
+
+        return tune_in_graph(lambda: self(model, input_ids, pos, cache),
+                             extra=f"pdl{self.pdl} early{self.EARLY} block_l{self.BLOCK_L} splits{self.splits}")
 
     def greedy_next(self, logits: torch.Tensor, token: torch.Tensor, ids: torch.Tensor, count: torch.Tensor,
                     pos: torch.Tensor) -> None:
@@ -144,4 +160,4 @@ class FusedDecoder:
         n, kdim = weight.shape
         gemv[lambda m: (triton.cdiv(n, m["R"]),)](
             x, weight if norm_weight is None else norm_weight, weight, out, n, kdim, self.dims.norm_eps,
-            NORM=norm_weight is not None, RESIDUAL=residual, PDL=self.pdl, **self.launch)
+            NORM=norm_weight is not None, RESIDUAL=residual, PDL=self.pdl, EARLY=self.EARLY, **self.launch)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import replace
 from typing import List
 
 from ...core.fp8 import FP8_GEMM_MULTIPLE
 from ...core.errors import ConfigError
 from . import dims as L
-from ..family import ModelContext, ModelSpec, Parallel, Support, find_module
+from ..family import ModelContext, ModelSpec, Parallel, find_module
 from .gpt import GPTFamily
 
 
@@ -17,8 +16,7 @@ class TEGPTFamily(GPTFamily):
     name = "te_gpt"
     has_te_layers = True
     # TEGPT.forward(input_ids, doc_ids): attention per document through TE's variable-length (THD)
-    # attention (models/llama/te_modules.py), under Megatron-FSDP only (`support`); validation
-    # refuses it with mesh.tp > 1 and fp8.attention.
+    # attention (models/llama/te_modules.py); validation refuses it with mesh.tp > 1 and fp8.attention.
     doc_mask = True
     lora = False  # peft's LoRA layers wrap torch.nn.Linear, not TE's fused LayerNormLinear/LayerNormMLP
     # TE's tp_size/sequence_parallel at build (`spec_for`), its tp and cp groups wired after it
@@ -27,12 +25,6 @@ class TEGPTFamily(GPTFamily):
     cp_mode = Parallel.TE
     expert_parallel = False  # no mixture of experts in TE's TransformerLayer (check refuses model.moe)
     torchao_fp8 = False  # its matmuls are TE layers: TE's own FP8 recipes
-
-    def support(self, engine) -> Support:
-        # Under FSDP2 the THD step failed on one H200 (session 19: cuBLAS refused the first layer's
-        # attention output projection, TE 2.20.2), where Megatron-FSDP trained: refused until understood.
-        answer = super().support(engine)
-        return replace(answer, doc_mask=answer.doc_mask and engine.name == "megatron_fsdp")
 
     def shape(self, m) -> dict:
         # Manifests record fuse_qkv with every TE family's shape; te_gpt's layers always fuse QKV in

@@ -28,7 +28,9 @@ _SCRIPT = textwrap.dedent("""
     dims = GPTDims(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=300,
                    tie_embeddings=False, norm_eps=1e-5, rope_theta=1e4)
     out = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "float32_early2"):
+        FusedDecoder.EARLY = 2 if dtype.endswith("early2") else 1  # two weight blocks requested before the wait
+        dtype = dtype.split("_")[0]
         torch.manual_seed(0)
         model = GPT(dims, dtype=getattr(torch, dtype)).eval()
         prompt = [1, 5, 9, 200, 7, 3, 3, 90]
@@ -48,7 +50,8 @@ _SCRIPT = textwrap.dedent("""
                                                   fused_cache.keys + fused_cache.values))])
             tokens = [generate_gpt(model, prompt, max_new_tokens=4, eos_id=None, cache=c, step=s)
                       for c, s in ((None, None), (fused_cache, fused))] if dtype == "float32" else []
-        out[dtype] = {"diffs": diffs, "tokens": tokens, "splits": fused.splits}
+        out[dtype + ("_early2" if FusedDecoder.EARLY == 2 else "")] = {"diffs": diffs, "tokens": tokens,
+                                                                      "splits": fused.splits}
     print(json.dumps(out))
 """)
 
@@ -64,11 +67,12 @@ def _interpreted(script: str):
 
 def test_interpreted_kernels_decode_the_eager_tokens_and_logits():
     out = _interpreted(_SCRIPT)
-    assert out["float32"]["splits"] == 2  # the cache's two tiles each in a slice
-    for logits, scale, cache in out["float32"]["diffs"]:
-        assert logits <= 1e-5 * max(1.0, scale) and cache <= 1e-6, out["float32"]["diffs"]
-    eager, fused = out["float32"]["tokens"]
-    assert fused == eager and len(eager) == 4
+    for run in ("float32", "float32_early2"):
+        assert out[run]["splits"] == 2  # the cache's two tiles each in a slice
+        for logits, scale, cache in out[run]["diffs"]:
+            assert logits <= 1e-5 * max(1.0, scale) and cache <= 1e-6, out[run]["diffs"]
+        eager, fused = out[run]["tokens"]
+        assert fused == eager and len(eager) == 4
     # bf16: the same roundings, summed in another order: a few units in the last place.
     for logits, scale, cache in out["bfloat16"]["diffs"]:
         assert logits <= 4 * 2 ** -8 * max(1.0, scale) and cache <= 2 ** -6, out["bfloat16"]["diffs"]

@@ -90,3 +90,13 @@ def test_frozen_parameters_do_not_move(tmp_path):
     assert torch.equal(trained["tok_emb.weight"], initial["tok_emb.weight"])
     moved = [k for k in initial if not k.startswith("tok_emb") and not torch.equal(trained[k], initial[k])]
     assert moved, "nothing trained"
+
+
+def test_units_nested_in_units_shard_bottom_up_and_give_the_curve(tmp_path, reference):
+    """Linear layers as FSDP2 units inside Block units (te_gpt's shape: its attention proj te.Linear
+    sits in its TransformerLayer): wrapped parent first, a nested weight would become a DTensor
+    twice over and reach the forward as one (the mixed Tensor/DTensor error here; a null pointer
+    in TE's GEMM on a GPU). Bottom-up, 2 ranks give the one-rank curve."""
+    units = "model.fsdp_unit_modules=[mfsdp_launch.models.llama.gpt_modules.Block,torch.nn.Linear]"
+    _train(2, tmp_path / "nested", "train.micro_batch_size=4", units)
+    assert _curve(tmp_path / "nested") == pytest.approx(reference, rel=1e-4, abs=1e-5)
