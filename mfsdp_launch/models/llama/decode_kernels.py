@@ -16,11 +16,12 @@ CUDA graph serves every position.
 Under PDL (programmatic dependent launch, Hopper and later) each kernel is launched while the one
 before it finishes: it first requests what the previous kernel does not write (its first EARLY
 weight blocks, 1 or 2; attention its cache rows before `pos`), then waits for that kernel
-(`gdc_wait`). Every kernel waits before it ends, so a kernel done means all before it done: past the wait, whatever
-any earlier kernel wrote is visible. Before the wait a kernel reads only what none of its token's
-kernels writes (greedy_next, a plain launch, ends each token's chain). When the next kernel may
-launch is the PDL constexpr: AFTER_WAIT (1) once this one's wait is over, AT_START (2) as soon as
-this one starts (the next one's early loads then overlap this one's wait too); 0 is no PDL.
+(`gdc_wait`). Every kernel waits before it ends, so a kernel done means all before it done:
+past the wait, whatever any earlier kernel wrote is visible. Before the wait a kernel reads only
+what none of its token's kernels writes (greedy_next, a plain launch, ends each token's chain).
+When the next kernel may launch is the PDL constexpr: AFTER_WAIT (1) once this one's wait is
+over, AT_START (2) as soon as this one starts (the next one's early loads then overlap this one's
+wait too); 0 is no PDL.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ SM has registers left for them, and a tile that is fastest alone can hold the re
 kernel needed to start early. So after the autotuner, each kernel shape's tile is chosen again by
 coordinate descent over the captured step's replay time: every tile of one shape in turn, the
 others held, the fastest kept. The choice is kept in Triton's cache dir, so only the first process
-that decodes a shape on a GPU pays its ~80 graph captures.
+that decodes a shape on a GPU pays its ~75 graph captures.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ KEEP_ABOVE = 0.005  # a tile replaces the current one only if the step gets this
 def _kernels():
     from . import decode_kernels
 
-    return {"gemv": decode_kernels.gemv, "swiglu": decode_kernels.swiglu, "qkv_rope_cache": decode_kernels.qkv_rope_cache}
+    return {name: getattr(decode_kernels, name) for name in ("gemv", "swiglu", "qkv_rope_cache")}
 
 
 def _step_time(torch, launch: Callable[[], None], replays: int) -> float:

@@ -154,7 +154,6 @@ def test_launcher_checks_are_one_line_each(corpora, tmp_path):
         (["data=synthetic", "data.doc_mask=true"], "data.doc_mask", "does nothing with data=synthetic"),
         (["data=text", blend(a, b)], "data.sources", "does nothing with data=text"),
         (["data=text", f"data.path={__file__}", "data.pack=documents"], "data.pack", "is one file"),
-        ([blend(a, b), "data.doc_mask=true", "model=te_gpt", "engine=fsdp2"], "data.doc_mask", "engine=fsdp2"),
     ]
     for overrides, key, needle in cases:
         with pytest.raises(ConfigError) as e:
