@@ -25,6 +25,20 @@ class StepCheck:
     bad_ranks: int = 0  # ranks whose own loss was not finite
 
 
+def square_sum(tensors: List[torch.Tensor], device) -> torch.Tensor:
+    """The sum of squares of all `tensors`, a 0-d fp32 tensor on `device`: one foreach norm per
+    dtype and device (one read of each tensor, a few launches), not a squared copy of each."""
+    groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for (dtype, _), ts in groups.items():
+        # At least fp32; fp64 main gradients stay fp64 (foreach_norm refuses to narrow them).
+        norms = torch._foreach_norm(ts, 2.0, dtype=torch.promote_types(dtype, torch.float32))
+        sq = sq + torch.stack(norms).pow(2).sum().to(device=device, dtype=torch.float32)
+    return sq
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -87,12 +101,14 @@ class Engine(ABC):
     def local_grad_square(self, model: torch.nn.Module) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """(this rank's weighted sum of squares of its gradient shards, those shards): summed over
         `norm_groups()`, the sums make the global norm's square."""
-        grads = []
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        grads, by_weight = [], {}
         for p in model.parameters():
             if p.grad is not None:
                 grads.append(local_tensor(p.grad))
-                sq += grads[-1].float().pow(2).sum().to(sq.device) * self.grad_square_weight(p.grad)
+                by_weight.setdefault(self.grad_square_weight(p.grad), []).append(grads[-1])
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for weight, gs in by_weight.items():
+            sq = sq + square_sum(gs, self.device) * weight
         return sq, grads
 
     def scale_grads(self, grads: List[torch.Tensor], total: torch.Tensor, max_norm: Optional[float]) -> None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..core.errors import ConfigError
 from ..components.optim import set_lr
 from ..components.precision import torch_dtype
-from .base import Engine, local_tensor
+from .base import Engine, local_tensor, square_sum
 from .megatron_plan import MegatronPlan, plan_megatron_fsdp
 from .te_state import TE_EXTRA_STATE, load_te_extra_state, te_extra_state
 from ..core.names import first_line
@@ -210,17 +210,6 @@ class MegatronFSDPEngine(Engine):
         (the seed's toys replicate over tp)."""
         return self._te_tp_group
 
-    def _square_norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, gs in by_dtype.items():
-            # At least fp32; fp64 main gradients stay fp64 (foreach_norm refuses to narrow them).
-            acc = torch.promote_types(dtype, torch.float32)
-            sq = sq + torch.stack(torch._foreach_norm(gs, 2.0, dtype=acc)).pow(2).sum()
-        return sq
-
     def local_grad_square(self, model):
         """This rank's square sum over uneven shards (None where a shard is empty), and its shards."""
         m = unwrap(model)
@@ -230,14 +219,14 @@ class MegatronFSDPEngine(Engine):
         tp_group = self.tp_group()
         if tp_group is None:
             grads = self._grads(m)
-            return self._square_norm(grads), grads
+            return square_sum(grads, self.device), grads
         from ..models.llama.te_parallel import sync_sequence_parallel_grads
 
         # Norm weights under sequence parallelism saw 1/tp of the tokens: sum them first.
         sync_sequence_parallel_grads(m.parameters(), tp_group, self._grad_attr())
         # TP shards are disjoint over tp; replicated parameters are counted once (1/tp per rank).
-        sq = self._square_norm(self._grads(m, tp_sharded=True)) + \
-            self._square_norm(self._grads(m, tp_sharded=False)) / self.dims.tp
+        sq = square_sum(self._grads(m, tp_sharded=True), self.device) + \
+            square_sum(self._grads(m, tp_sharded=False), self.device) / self.dims.tp
         return sq, self._grads(m)
 
     def norm_groups(self):
