@@ -14,6 +14,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_optimizer  # noqa: E402
 from mfsdp_launch.models.llama.dims import flops_per_token, resolve_gpt_dims  # noqa: E402
 from mfsdp_launch.models.llama.config import GPTModelConfig  # noqa: E402
+from mfsdp_launch.core.schema import TrainConfig  # noqa: E402
+from mfsdp_launch.engines.base import square_sum  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="gpt"); p.add_argument("--preset", default="1.4b")
@@ -22,6 +24,9 @@ p.add_argument("--steps", type=int, default=20); p.add_argument("--warmup", type
 p.add_argument("--fp8", default="none"); p.add_argument("--fp8-params", action="store_true")
 p.add_argument("--n-layers", type=int, default=None)
 p.add_argument("--profile", type=int, default=0); p.add_argument("--peak", type=float, default=989.0)
+# The launcher's default work per step: the global gradient norm and clipping to train.grad_clip
+# (0: neither), so that launcher / bare compares the launcher, not the clipping.
+p.add_argument("--grad-clip", type=float, default=TrainConfig.grad_clip)
 a = p.parse_args()
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -55,11 +60,30 @@ opt = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4, weigh
 ids = torch.randint(0, dims.vocab_size, (a.mbs, a.seq + 1), device="cuda")
 
 
+def clip(max_norm):
+    """Scale the local gradient shards by min(1, max_norm / global norm), without a host sync."""
+    grads = []
+    for q in model.parameters():
+        g = getattr(q, "decoupled_grad", None)  # Megatron-FSDP's main gradient under FP8 weights
+        g = q.grad if g is None else g
+        if g is not None:
+            grads.append(g._local_tensor if hasattr(g, "_local_tensor") else g)
+    if not grads:
+        return
+    sq = square_sum(grads, torch.device("cuda"))
+    dist.all_reduce(sq)
+    scale = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+    for dtype in {g.dtype for g in grads}:
+        torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
+
+
 def step():
     with (autocast() if autocast else nullcontext()):
         logits = model(ids[:, :-1])
     loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
+    if a.grad_clip:
+        clip(a.grad_clip)
     opt.step()
     opt.zero_grad()
     return loss
@@ -75,6 +99,7 @@ tps = a.mbs * a.seq / dt
 res = {"name": f"bare_{a.model}_{a.preset}_{a.fp8}{'_params' if a.fp8_params else ''}_mbs{a.mbs}_seq{a.seq}",
        "engine": "bare megatron_fsdp", "model": a.model, "preset": a.preset, "seq": a.seq, "mbs": a.mbs,
        "precision": a.fp8 if a.fp8 != "none" else "bf16", "fp8_params": a.fp8_params, "world": world,
+       "grad_clip": a.grad_clip,
        "tokens_per_s_per_gpu": tps, "mfu": flops_per_token(dims, a.seq) * tps / (a.peak * 1e12),
        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "step_time_s": dt, "loss": loss.item()}
 if a.profile:

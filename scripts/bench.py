@@ -3,8 +3,9 @@
 The matrix is data: bench/matrix.yaml holds the groups and their named entries (scripts/bench_matrix.py
 loads it). Each launcher entry is a real `python -m mfsdp_launch ...` run (synthetic data, no
 checkpoint save); tokens/s/GPU and MFU are the medians of its metrics.jsonl rows after the first
-(warm-up) row, peak memory the max. "bare" entries run scripts/bare_loop.py (no launcher) under
-torchrun in the same call, as the reference. Results merge into bench/results.json (by name) and
+(warm-up) row, peak memory the max. "bare" entries run scripts/bare_loop.py (no launcher; the
+same gradient clipping as train.grad_clip's default) under torchrun in the same call, as the
+reference. Results merge into bench/results.json (by name) and
 are rendered to bench/results.md and bench/throughput.png.
 
   python3 scripts/bench.py --list                 # the groups, what each measures, their entries
