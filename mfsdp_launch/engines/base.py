@@ -26,8 +26,9 @@ class StepCheck:
 
 
 def square_sum(tensors: List[torch.Tensor], device) -> torch.Tensor:
-    """The sum of squares of all `tensors`, a 0-d fp32 tensor on `device`: one foreach norm per
-    dtype and device (one read of each tensor, a few launches), not a squared copy of each."""
+    """The sum of squares of all `tensors`, a 0-d tensor on `device` (fp32, fp64 where a tensor is
+    fp64): one foreach norm per dtype and device (one read of each tensor, a few launches), not a
+    squared copy of each."""
     groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
@@ -35,7 +36,7 @@ def square_sum(tensors: List[torch.Tensor], device) -> torch.Tensor:
     for (dtype, _), ts in groups.items():
         # At least fp32; fp64 main gradients stay fp64 (foreach_norm refuses to narrow them).
         norms = torch._foreach_norm(ts, 2.0, dtype=torch.promote_types(dtype, torch.float32))
-        sq = sq + torch.stack(norms).pow(2).sum().to(device=device, dtype=torch.float32)
+        sq = sq + torch.stack(norms).pow(2).sum().to(device)
     return sq
 
 
