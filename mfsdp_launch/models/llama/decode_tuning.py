@@ -69,8 +69,8 @@ def tune_in_graph(launch: Callable[[], None], extra: str = "", replays: int = 30
         return {}
     cache = get_cache_manager(_cache_key(torch, shapes, extra))
     kept = cache.get_file("graph_tiles.json")
-    by_str = {name: {str(c): c for c in k.configs} for name, k in kernels.items()}
     if kept:
+        by_str = {name: {str(c): c for c in k.configs} for name, k in kernels.items()}
         with open(kept) as f:
             chosen = json.load(f)
         for name, key in shapes:
@@ -83,7 +83,7 @@ def tune_in_graph(launch: Callable[[], None], extra: str = "", replays: int = 30
         kernel = kernels[name]
         current = kernel.cache[key]
         for cfg in kernel.configs:
-            if cfg is current:
+            if str(cfg) == str(current):  # (the autotuner's pick read from its disk cache is a copy)
                 continue
             kernel.cache[key] = cfg
             try:  # once outside a graph: a tile this shape cannot take (out of resources) raises here,
