@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import locale
 import multiprocessing
+import multiprocessing.connection
 import os
 import runpy
 import subprocess
@@ -31,6 +32,10 @@ PRELOAD = ["torch", "torch.distributed.fsdp", "torch._dynamo", "torch.distribute
            "helpers", "forked"]
 
 _context = None
+# multiprocessing reads a forkserver child's exit code from a pipe, once: a second reader gets EOF
+# and reports 255. Process.start() polls every live child (its _cleanup), so a start in one thread
+# and a poll in another could both read one child's code; every start and poll takes this lock.
+_POLL_LOCK = threading.Lock()
 
 
 def _server():
@@ -108,24 +113,27 @@ class Forked:
 
     def __init__(self, target, *args):
         self._process = _server().Process(target=target, args=args)
-        self._process.start()
+        with _POLL_LOCK:
+            self._process.start()
         self.pid = self._process.pid
 
     @property
     def returncode(self) -> Optional[int]:
-        return self._process.exitcode
+        return self.poll()
 
     def poll(self) -> Optional[int]:
-        return self._process.exitcode
+        with _POLL_LOCK:
+            return self._process.exitcode
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
+        multiprocessing.connection.wait([self._process.sentinel], timeout)  # readable once it exits
+        code = self.poll()
+        if code is None:
             raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
-        return self._process.exitcode
+        return code
 
     def send_signal(self, sig: int) -> None:
-        if self._process.exitcode is None:
+        if self.poll() is None:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
