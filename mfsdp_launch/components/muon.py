@@ -27,6 +27,8 @@ from typing import Iterable, List, Set
 import torch
 import torch.nn as nn
 
+from .adamw import adamw_update, local as _local
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steep at 0
 NS_STEPS = 5
 NS_EPS = 1e-7
@@ -63,10 +65,6 @@ def muon_parameters(model: nn.Module) -> Set[int]:
             aux.update(id(p) for p in mod.parameters(recurse=False))
     return {id(p) for name, p in model.named_parameters()
             if p.requires_grad and p.ndim == 2 and id(p) not in aux and "norm" not in name.lower()}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _full(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -129,24 +127,19 @@ class Muon(torch.optim.Optimizer):
             w.add_(_shard_of(update, p).to(w.dtype), alpha=-lr)
 
     def _adamw(self, group: dict) -> None:
-        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        live = [p for p in group["params"] if p.grad is not None]
+        for p in live:
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
             state["step"] += 1
-            t = state["step"].item()
-            g, m, v, w = _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(p)
-            w.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-            w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+        states = [self.state[p] for p in live]
+        adamw_update([_local(p) for p in live], [_local(p.grad) for p in live],
+                     [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                     [s["step"].item() for s in states], lr=float(group["lr"]), betas=group["betas"],
+                     eps=group["eps"], weight_decay=group["weight_decay"])
 
 
 def muon_groups(model: nn.Module, weight_decay: float, no_decay: Set[int]) -> List[dict]:

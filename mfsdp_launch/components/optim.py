@@ -8,6 +8,7 @@ from typing import List
 
 import torch
 
+from ..core.dtypes import Dtype
 from ..core.schema import OptimImpl, OptimName
 from .schedule import build_scheduler, lr_at  # noqa: F401  (the schedule, imported from here by callers)
 
@@ -54,6 +55,11 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, *, fused_ok: bool = False
         return Muon(muon_groups(model, optim_cfg.weight_decay, no_decay), momentum=optim_cfg.muon_momentum,
                     weight_decay=optim_cfg.weight_decay, **kwargs)
     groups = param_groups(model, optim_cfg.weight_decay)
+    state_dtype = Dtype(getattr(optim_cfg, "state_dtype", Dtype.fp32))
+    if state_dtype is not Dtype.fp32:
+        from .adamw import AdamW
+
+        return AdamW(groups, state_dtype=getattr(torch, state_dtype.torch_name), **kwargs)
     impl = OptimImpl(optim_cfg.impl)
     if impl is OptimImpl.te_fused:
         from transformer_engine.pytorch.optimizers import FusedAdam

@@ -26,6 +26,9 @@ class Dtype(Choice):
 _BYTES = {Dtype.fp32: 4, Dtype.bf16: 2, Dtype.fp16: 2, Dtype.fp64: 8}
 _TORCH_NAMES = {Dtype.fp32: "float32", Dtype.bf16: "bfloat16", Dtype.fp16: "float16", Dtype.fp64: "float64"}
 
+# optim.state_dtype: AdamW's moments (components/adamw.py rounds bf16 ones; fp16 would overflow).
+OPTIM_STATE_DTYPES = (Dtype.fp32, Dtype.bf16)
+
 # Main weights in this precision or wider keep small updates (FSDP2 shards these directly).
 WIDE_DTYPES = (Dtype.fp32, Dtype.fp64)
 

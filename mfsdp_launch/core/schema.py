@@ -217,6 +217,8 @@ class ModelConfig:
 class OptimConfig:
     name: OptimName = OptimName.adamw
     impl: OptimImpl = OptimImpl.torch
+    # AdamW's two moments: fp32, or bf16 (half the optimizer state; components/adamw.py)
+    state_dtype: Dtype = Dtype.fp32
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1

@@ -34,6 +34,7 @@ def render(cfg, warnings: List[str], console=None, dims: Optional[ParallelDims] 
     console.print(
         f"precision: compute={pc.compute_dtype} main_params={pc.main_params_dtype} "
         f"main_grads={pc.main_grads_dtype} grad_comm={pc.grad_comm_dtype}"
+        + (f" optim_state={cfg.optim.state_dtype}" if cfg.optim.state_dtype != "fp32" else "")
     )
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum_steps * dims.dp_size

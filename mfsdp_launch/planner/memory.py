@@ -95,6 +95,8 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
         main_b = 0  # the compute weights are the main weights
     grad_b = Dtype(pc.main_grads_dtype or pc.compute_dtype or Dtype.fp32).bytes
     optim_b = 2 * Dtype(pc.main_params_dtype or Dtype.fp32).bytes
+    if cfg.optim.state_dtype != Dtype.fp32:  # components/adamw.py: the moments in optim.state_dtype
+        optim_b = 2 * Dtype(cfg.optim.state_dtype).bytes
     # optim.name=muon: one momentum buffer for the matrices it updates (LoRA's adapters are all
     # 2-D matrices), Adam's two moments for the rest.
     muon_n = 0

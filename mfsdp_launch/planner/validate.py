@@ -10,7 +10,7 @@ from typing import List, Optional
 from omegaconf import OmegaConf
 
 from ..components.profiling import check_profile
-from ..core.dtypes import Dtype
+from ..core.dtypes import OPTIM_STATE_DTYPES, Dtype
 from ..core.errors import ConfigError
 from ..core.fp8 import FP8Recipe, is_torchao
 from ..core.globs import check_globs_match
@@ -385,6 +385,7 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
 def _check_optim(o, dims: ParallelDims, caps: EngineCaps) -> None:
     """optim.name and the schedule's keys; the LR, warm-up and impl rules are _check_train's."""
     defaults = OptimConfig()
+    _check_state_dtype(o)
     if o.decay_steps is not None and o.decay_steps < 1:
         raise ConfigError("optim.decay_steps", f"must be >= 1, got {o.decay_steps}", "a step count, or null (train.steps)")
     if not 0 < o.decay_fraction <= 1:
@@ -408,6 +409,20 @@ def _check_optim(o, dims: ParallelDims, caps: EngineCaps) -> None:
     if o.impl != OptimImpl.torch:
         raise ConfigError("optim.impl", f"{o.impl} picks an AdamW kernel, but optim.name=muon runs its own update "
                           "(its AdamW part included)", "torch")
+
+
+def _check_state_dtype(o) -> None:
+    if o.state_dtype not in OPTIM_STATE_DTYPES:
+        raise ConfigError("optim.state_dtype", f"{o.state_dtype} is not an optimizer-state dtype here",
+                          [str(d) for d in OPTIM_STATE_DTYPES])
+    if o.state_dtype == Dtype.fp32:
+        return
+    if o.name != OptimName.adamw:
+        raise ConfigError("optim.state_dtype", f"{o.state_dtype} moments are AdamW's (components/adamw.py); "
+                          f"optim.name={o.name} keeps its state in the parameters' dtype", "fp32, or optim.name=adamw")
+    if o.impl != OptimImpl.torch:
+        raise ConfigError("optim.state_dtype", f"{o.state_dtype} moments run in the launcher's AdamW, not "
+                          f"optim.impl={o.impl}'s kernel", "fp32, or optim.impl=torch")
 
 
 def _check_bad_steps(t) -> None:

@@ -1,7 +1,8 @@
 """One GPU, through the CLI (issue 26): the memory and speed tools for every model.
 
 * train.cpu_offload=true (FSDP2's CPUOffloadPolicy) gives the losses of offload off (1e-6) on a
-  small gpt, with and without meta-device init;
+  small gpt, with and without meta-device init; optim.state_dtype=bf16 steps alike on the GPU and
+  offloaded to the host;
 * fp8.recipe=torchao_rowwise|torchao_tensorwise (torchao float8, no TE) on gpt and model=hf,
   eager and compiled: the Linears run in FP8 (the losses move off bf16's) and train as bf16 does
   (within 5 % over the first steps);
@@ -52,6 +53,9 @@ for _meta in ("false", "true"):
     for _off in ("false", "true"):
         G.train(f"tool_offload_{_off}_meta_{_meta}", *GPT, *FP32, "engine=fsdp2", "train.steps=6", f"train.cpu_offload={_off}",
                 f"model.init_on_meta={_meta}")
+for _off in ("false", "true"):  # optim.state_dtype=bf16: the launcher's AdamW, on the GPU and on the host
+    G.train(f"tool_bf16_state_offload_{_off}", *GPT, *FP32, "engine=fsdp2", "train.steps=6", f"train.cpu_offload={_off}",
+            "optim.state_dtype=bf16")
 G.train("tool_gpt_bf16", *GPT, *BF16, "engine=fsdp2", "train.steps=8")
 G.train("tool_gpt_bf16_compile", *GPT, *BF16, "engine=fsdp2", "train.steps=8", "train.compile=true", timeout=480)
 for _r in RECIPES:
@@ -105,6 +109,18 @@ def test_cpu_offload_gives_the_losses_of_offload_off(request, meta):
         assert_learns(on.losses(), 6, min_drop=0.5, what="offload on, meta init")
         assert_close(on.losses(), off.losses(), [1], rel=0.03, what="cpu_offload, meta init, step 1")
     # (the GPU peak of a 0.1M-parameter model says nothing: bench/matrix.yaml's cpu_offload group measures the 8B)
+
+
+@uses("tool_bf16_state_offload_false", "tool_bf16_state_offload_true", "tool_offload_false_meta_false")
+def test_bf16_adam_moments_step_alike_on_the_gpu_and_offloaded(request):
+    gpu = G.get(request, "tool_bf16_state_offload_false").ok()
+    host = G.get(request, "tool_bf16_state_offload_true").ok()
+    fp32 = G.get(request, "tool_offload_false_meta_false").ok()
+    assert_learns(gpu.losses(), 6, min_drop=0.5, what="bf16 moments")
+    # The same fp32 arithmetic and round-to-nearest on either device (1e-5: CUDA's and the CPU's
+    # elementwise kernels may order a lerp differently).
+    assert_close(host.losses(), gpu.losses(), range(1, 7), rel=1e-5, what="bf16 moments offloaded")
+    assert_close(gpu.losses(), fp32.losses(), range(1, 7), rel=1e-2, what="bf16 vs fp32 moments")
 
 
 # ------------------------------------------------------------------------------- torchao FP8

@@ -1,0 +1,121 @@
+"""AdamW's update, written once for the optimizers the launcher runs itself: Muon's AdamW part
+(components/muon.py) and `optim.state_dtype=bf16`, AdamW with its two moments stored in bf16.
+
+bf16 moments halve Adam's state (4 bytes a parameter instead of 8): an 8B model's offloaded state
+(train.cpu_offload) is ~90 GiB of host memory instead of ~120. The arithmetic stays fp32: each chunk
+of parameters gets fp32 working copies of its moments, is updated exactly as torch.optim.AdamW's
+foreach path updates it, and the moments are rounded back to nearest. bf16 keeps 8 bits of
+mantissa, so an exp_avg_sq update smaller than ~0.4 % of its value is lost: with beta2 = 0.95
+(our default) each step moves it by 5 %, with 0.999 by 0.1 % and the second moment stalls."""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Iterator, List, Sequence
+
+import torch
+
+# The fp32 working copies of narrower moments cover at most this many elements at a time (two
+# copies of 32M elements: 256 MiB), so the copies never cost what the narrow moments saved.
+WORK_CHUNK_ELEMENTS = 1 << 25
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's parameters, gradients and states); else `t`."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _chunks(n: int, sizes: Sequence[int], limit: int) -> Iterator[range]:
+    start, total = 0, 0
+    for i in range(n):
+        if total and total + sizes[i] > limit:
+            yield range(start, i)
+            start, total = i, 0
+        total += sizes[i]
+    if start < n:
+        yield range(start, n)
+
+
+def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+                 exp_avg_sqs: List[torch.Tensor], steps: List[float], *, lr: float, betas, eps: float,
+                 weight_decay: float) -> None:
+    """Decoupled weight decay and Adam's step on local tensors, in place; `steps`: each parameter's
+    step count including this one. fp32 moments are updated where they are; narrower ones in fp32
+    copies, a chunk of WORK_CHUNK_ELEMENTS at a time."""
+    if not params:
+        return
+    beta1, beta2 = betas
+    narrow = any(m.dtype != torch.float32 or v.dtype != torch.float32 for m, v in zip(exp_avgs, exp_avg_sqs))
+    limit = WORK_CHUNK_ELEMENTS if narrow else float("inf")
+    for idx in _chunks(len(params), [p.numel() for p in params], limit):
+        p = [params[i] for i in idx]
+        g = [grads[i] if grads[i].dtype == torch.float32 else grads[i].float() for i in idx]
+        m = [exp_avgs[i] if exp_avgs[i].dtype == torch.float32 else exp_avgs[i].float() for i in idx]
+        v = [exp_avg_sqs[i] if exp_avg_sqs[i].dtype == torch.float32 else exp_avg_sqs[i].float() for i in idx]
+        if weight_decay:
+            torch._foreach_mul_(p, 1 - lr * weight_decay)
+        torch._foreach_lerp_(m, g, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, 1 - beta2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, [(1 - beta2 ** steps[i]) ** 0.5 for i in idx])
+        torch._foreach_add_(denom, eps)
+        # addcdiv with a narrower parameter (bf16 weights) computes in fp32 and rounds once.
+        torch._foreach_addcdiv_(p, m, denom, [-lr / (1 - beta1 ** steps[i]) for i in idx])
+        for j, i in enumerate(idx):
+            if m[j] is not exp_avgs[i]:
+                exp_avgs[i].copy_(m[j])
+            if v[j] is not exp_avg_sqs[i]:
+                exp_avg_sqs[i].copy_(v[j])
+
+
+class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update with its moments stored in `state_dtype` (see the module's
+    docstring). States are made like the parameters (DTensors of their layout under FSDP2), so DCP
+    saves them in global shapes and a checkpoint of either state dtype resumes into the other."""
+
+    def __init__(self, groups, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 state_dtype: torch.dtype = torch.bfloat16):
+        # torch.optim.AdamW's group keys too (amsgrad, foreach, ...; unused here): a checkpoint of
+        # either optimizer then loads into the other, so optim.state_dtype can change at a resume.
+        defaults = {**torch.optim.AdamW([torch.zeros(1)]).defaults, "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(groups, defaults)
+        self.state_dtype = state_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            live = [p for p in group["params"] if p.grad is not None]
+            for p in live:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["step"] += 1
+            states = [self.state[p] for p in live]
+            adamw_update([local(p) for p in live], [local(p.grad) for p in live],
+                         [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states],
+                         [s["step"].item() for s in states], lr=float(group["lr"]), betas=group["betas"],
+                         eps=group["eps"], weight_decay=group["weight_decay"])
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, except that the moments keep `state_dtype`: torch casts every floating state
+        to its parameter's dtype, which would widen them (and, on a resume of a run that needed the
+        narrow moments, hold both copies at once)."""
+        moments, rest = {}, {}
+        for pid, state in state_dict["state"].items():
+            moments[pid] = {k: v for k, v in state.items() if k in MOMENTS}
+            rest[pid] = {k: v for k, v in state.items() if k not in MOMENTS}
+        super().load_state_dict({**state_dict, "state": rest})
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params):
+            for key, value in moments.get(pid, {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=self.state_dtype)
