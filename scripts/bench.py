@@ -93,6 +93,10 @@ def _env(extra: dict = None):
 
 
 def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: Path) -> list:
+    if e.get("recipe"):  # the recipe as shipped: only the run's length, its place and no final save
+        return [f"+recipe={e['recipe']}", f"launcher.nproc_per_node={world}", f"train.steps={steps}",
+                f"train.log_interval={log_interval}", "train.progress=false", "checkpoint.save_final=false",
+                "checkpoint.resume=never", f"run.dir={run_dir}", *e.get("extra", [])]
     if e["model"] == "hf":  # the preset's dims as an HF config (n_layers: its num_hidden_layers)
         fields = dict(hf_llama_config(e["preset"]), **({"num_hidden_layers": e["n_layers"]} if e.get("n_layers") else {}))
         model_args = ["model=hf", "model.hf_class=LlamaForCausalLM", f"model.hf_config={hydra_dict(fields)}"]

@@ -141,7 +141,7 @@ def test_te_e2e_full_iteration_cuda_graph_cli():
     require_te()
     run_dir = fresh_run_dir("cuda_graph")
     proc = cli("cuda_graph", "+recipe=fsdp_bf16", "launcher.nproc_per_node=2", "model.preset=125m",
-               "optim.impl=te_fused", "train.cuda_graph=full_iteration", "train.steps=40",
+               "optim.impl=te_fused", "train.cuda_graph=full_iteration", "train.compile=false", "train.steps=40",
                "train.seq_len=1024", "train.log_interval=10", "data.max_bytes=16000000", f"run.dir={run_dir}",
                timeout=150)
     _check_training(proc, run_dir, min_drop=1.5)

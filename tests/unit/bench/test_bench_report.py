@@ -45,7 +45,7 @@ def test_matrix_entries_are_unique_and_every_override_is_key_value():
     pairs = [(group, e["name"]) for group, spec in raw.items() for e in spec["entries"]]
     assert len(set(pairs)) == len(pairs) and len({name for _, name in pairs}) == len(pairs)
     assert [(e["group"], e["name"]) for e in bench.MATRIX] == pairs
-    key_value = re.compile(r"[A-Za-z_][\w.]*=\S.*")
+    key_value = re.compile(r"\+?[A-Za-z_][\w.]*=\S.*")  # (+recipe=NAME adds to the defaults list)
     for e in bench.MATRIX:
         extra = e.get("extra", [])
         assert all(key_value.fullmatch(x) for x in extra), (e["name"], extra)
@@ -58,3 +58,20 @@ def test_matrix_entries_are_unique_and_every_override_is_key_value():
              "now_gpt_8b_bf16_s4096", "te8b_opt_ref", "te8bl8_ref"}
     assert named <= {name for _, name in pairs}
     assert bench.MEMORY_GROUPS[-1] == "memory_reference" and set(bench.MEMORY_GROUPS[:-1]) <= set(raw)
+
+
+def test_recipe_entries_say_what_their_recipe_holds():
+    """An entry with `recipe` runs the recipe as shipped; its model fields (the row's description in
+    results.json and memory.md) are the recipe's own, and every GPU recipe has one."""
+    import bench
+    from mfsdp_launch.planner import prepare
+
+    rows = [e for e in bench.MATRIX if e.get("recipe")]
+    assert {e["recipe"] for e in rows} >= {"fsdp_bf16", "hsdp_bf16", "hfsdp_bf16", "hfsdp_fp8"}
+    for e in rows:
+        args = bench.launcher_args(e, 1, e["steps"], e["log_interval"], ROOT / "runs" / e["name"])
+        cfg, _ = prepare([*args, "launcher.dry_run=true"], check_hardware=False)
+        precision = "bf16" if str(cfg.fp8.recipe) == "none" else str(cfg.fp8.recipe)
+        held = (cfg.model.name, cfg.model.preset, cfg.train.seq_len, cfg.train.micro_batch_size, precision)
+        assert held == (e["model"], e["preset"], e["seq"], e["mbs"], e["precision"]), e["name"]
+        assert cfg.train.steps == e["steps"] and cfg.checkpoint.save_final is False, e["name"]
