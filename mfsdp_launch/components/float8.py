@@ -1,5 +1,5 @@
 """FP8 without Transformer Engine: torchao float8 training (fp8.recipe=torchao_tensorwise|
-torchao_rowwise) on a model's plain `nn.Linear` layers (gpt, hf, custom), under FSDP2.
+torchao_rowwise) on a model's plain `nn.Linear` layers (gpt, hf, custom), under either engine.
 
 `convert` swaps each eligible Linear for torchao's `Float8Linear` on the built model, before the
 family's parallelize and the engine's sharding (torchtitan's order), so activation checkpointing
@@ -7,13 +7,15 @@ and `torch.compile` (train.compile: it fuses the casts, which is where the speed
 the converted layers. Tensorwise scaling all-gathers the weights in FP8 under FSDP2 (torchao's
 weight subclass casts each shard before the all-gather) and computes the scales of all weights
 in one all-reduce after each optimizer step; rowwise scaling is more accurate and all-gathers in
-the compute dtype.
+the compute dtype. Under Megatron-FSDP both all-gather in the compute dtype (its buffers hold
+ordinary weights; torchao's all-gather hooks are FSDP2's) and cast after it. A mixture of experts'
+grouped experts run their grouped GEMMs in FP8 under either recipe (rowwise scales: torchao's
+FP8 grouped GEMM, models/llama/moe_fp8.py).
 
 A Linear stays in high precision when `fp8.skip` names it (or a module holding it) or when a
 dimension is not a multiple of 16 (FP8 GEMMs need it). Validation (`check_config`, torch-free)
-refuses what cannot run, each in one line: CPU runs (planner/machine.py), Megatron-FSDP (0.6.1
-knows only TE's Float8Tensor: it has none of the FSDP2 all-gather hooks torchao's weights use),
-families without plain Linears, tensor parallelism (torchao's TP styles are not wired here),
+refuses what cannot run, each in one line: CPU runs (planner/machine.py), families without plain
+Linears, tensor parallelism (torchao's TP styles are not wired here),
 and TE-only keys (fp8.params, fp8.attention).
 """
 
@@ -31,18 +33,12 @@ if TYPE_CHECKING:
 
 INSTALL_HINT = "pip install 'mfsdp-launch[torchao]'"
 RECIPE_NAMES = {FP8Recipe.torchao_tensorwise: "tensorwise", FP8Recipe.torchao_rowwise: "rowwise"}
-MEGATRON_WHY = ("Megatron-FSDP 0.6.1 knows only Transformer Engine's Float8Tensor and has none of the FSDP2 "
-                "all-gather hooks torchao's FP8 weights use")
 
 
-def check_config(fp8, *, supported: Sequence[str], model: str, engine: str, engine_takes: bool, tp: int,
-                 torchao_models: Sequence[str]) -> None:
+def check_config(fp8, *, supported: Sequence[str], model: str, tp: int, torchao_models: Sequence[str]) -> None:
     """Refuse a torchao recipe where it cannot run (torch-free). `supported`: the recipes the
-    family's support answer lists under `engine`; `engine_takes`: the engine runs torchao layers."""
+    family's support answer lists under the engine."""
     recipe = str(fp8.recipe)
-    if not engine_takes:
-        raise ConfigError("fp8.recipe", f"{recipe} runs under engine=fsdp2 only: {MEGATRON_WHY}",
-                          "engine=fsdp2, or a TE model with fp8.recipe=delayed|current|blockwise|mxfp8")
     if recipe not in supported:
         raise ConfigError("fp8.recipe", f"{recipe}: model={model} has no plain nn.Linear layers torchao converts",
                           "none, or model=" + "|".join(torchao_models))
@@ -56,20 +52,26 @@ def check_config(fp8, *, supported: Sequence[str], model: str, engine: str, engi
         raise ConfigError("fp8.attention", f"true is TE's FP8 attention, not available with {recipe}", "false")
 
 
+def _under(fqn: str, skipped: List[str]) -> bool:
+    return any(fqn == s or fqn.startswith(s + ".") for s in skipped)
+
+
 def _eligible(module, fqn: str, skipped: List[str]) -> bool:
     import torch.nn as nn
 
     if not isinstance(module, nn.Linear):
         return True  # torchao walks containers through the filter too
-    if any(fqn == s or fqn.startswith(s + ".") for s in skipped):
+    if _under(fqn, skipped):
         return False
     return fp8_shape(module.in_features, module.out_features)  # the rule mfu_at_precision counts by
 
 
-def convert(model: "torch.nn.Module", fp8_cfg, *, emulate: bool = False) -> List[str]:
-    """Swap the eligible Linears of `model` for Float8Linear in place; returns the names of the
-    Linears kept in high precision (fp8.skip or a dimension not a multiple of 16). `emulate`:
-    torchao's high-precision emulation (tests on CPU)."""
+def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emulate: bool = False) -> List[str]:
+    """Swap the eligible Linears of `model` for Float8Linear in place and turn on the FP8 grouped
+    GEMMs of its grouped experts (modules with `enable_fp8`); returns the names of the Linears and
+    experts kept in high precision (fp8.skip or a dimension not a multiple of 16). `all_gather`:
+    tensorwise weights all-gather in FP8 (the engine's EngineCaps.torchao_fp8_all_gather).
+    `emulate`: torchao's high-precision emulation (tests on CPU)."""
     import torch.nn as nn
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -80,12 +82,15 @@ def convert(model: "torch.nn.Module", fp8_cfg, *, emulate: bool = False) -> List
         check_globs_match("fp8.skip", list(fp8_cfg.skip), list(modules), "module")
         skipped = matching(modules, list(fp8_cfg.skip))
     config = Float8LinearConfig.from_recipe_name(RECIPE_NAMES[recipe])
-    if recipe is FP8Recipe.torchao_tensorwise:
+    if recipe is FP8Recipe.torchao_tensorwise and all_gather:
         config = _replace(config, enable_fsdp_float8_all_gather=True)
     if emulate:
         config = _replace(config, emulate=True)
     kept = [name for name, m in modules.items() if isinstance(m, nn.Linear) and not _eligible(m, name, skipped)]
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: _eligible(m, fqn, skipped))
+    for name, m in modules.items():  # a family's grouped experts: torchao's FP8 grouped GEMM (rowwise)
+        if hasattr(m, "enable_fp8") and (_under(name, skipped) or not m.enable_fp8()):
+            kept.append(name)
     for name, old in modules.items():
         _keep_init(old, model.get_submodule(name))
     return kept
@@ -113,10 +118,10 @@ def _replace(config, **fields):
     return dataclasses.replace(config, **fields)
 
 
-def after_optimizer_steps(model: "torch.nn.Module", optimizer, fp8_cfg) -> None:
-    """Tensorwise: after each optimizer step, every FP8-all-gathered weight's scale in one
-    all-reduce (instead of one per weight at its all-gather)."""
-    if FP8Recipe(fp8_cfg.recipe) is not FP8Recipe.torchao_tensorwise:
+def after_optimizer_steps(model: "torch.nn.Module", optimizer, fp8_cfg, *, all_gather: bool = True) -> None:
+    """Tensorwise with FP8 all-gather: after each optimizer step, every FP8-all-gathered weight's
+    scale in one all-reduce (instead of one per weight at its all-gather)."""
+    if FP8Recipe(fp8_cfg.recipe) is not FP8Recipe.torchao_tensorwise or not all_gather:
         return
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

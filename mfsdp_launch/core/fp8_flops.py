@@ -8,8 +8,9 @@ A family lists its matmuls (ModelFamily.matmuls): the module each runs in, its F
   * TE_ATTENTION: TE's attention core (QK^T and PV) runs in FP8 only with fp8.attention=true;
   * LINEAR: a plain nn.Linear that torchao's float8 training converts (fp8.recipe=torchao_*) when
     both its dimensions are multiples of FP8_GEMM_MULTIPLE (components/float8.py);
-  * HIGH: never in FP8 (SDPA's attention, a tied head's F.linear on the embedding, grouped experts,
-    a router's matmul).
+  * GROUPED: a mixture of experts' grouped GEMMs, in torchao's FP8 grouped GEMM under the same
+    recipes and the same rule on (dim, ffn) (models/llama/moe_fp8.py);
+  * HIGH: never in FP8 (SDPA's attention, a tied head's F.linear on the embedding, a router's matmul).
 Under either kind of recipe a matmul stays in high precision when an fp8.skip glob names its module
 or a module holding it, as components/precision.py (TE) and components/float8.py (torchao) apply it.
 """
@@ -22,7 +23,7 @@ from typing import Optional, Sequence, Tuple
 
 from .fp8 import FP8_GEMM_MULTIPLE, FP8Recipe, is_torchao
 
-TE_LAYER, TE_ATTENTION, LINEAR, HIGH = "te", "te_attention", "linear", "high"
+TE_LAYER, TE_ATTENTION, LINEAR, GROUPED, HIGH = "te", "te_attention", "linear", "grouped", "high"
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Matmul:
     module: str  # the module it runs in ("layers.0.attn.wqkv"); fp8.skip globs name it or a parent
     flops: float  # training FLOPs per token (forward and backward)
     fp8_by: str  # TE_LAYER | TE_ATTENTION | LINEAR | HIGH
-    shape: Tuple[int, int] = (0, 0)  # a LINEAR's (in_features, out_features)
+    shape: Tuple[int, int] = (0, 0)  # a LINEAR's (in_features, out_features); GROUPED's (dim, ffn)
 
 
 def fp8_shape(in_features: int, out_features: int) -> bool:
@@ -51,7 +52,7 @@ def in_fp8(mm: Matmul, fp8) -> bool:
     if recipe == FP8Recipe.none.value or skipped(mm.module, list(fp8.skip or ())):
         return False
     if is_torchao(recipe):
-        return mm.fp8_by == LINEAR and fp8_shape(*mm.shape)
+        return mm.fp8_by in (LINEAR, GROUPED) and fp8_shape(*mm.shape)
     return mm.fp8_by == TE_LAYER or (mm.fp8_by == TE_ATTENTION and bool(fp8.attention))
 
 

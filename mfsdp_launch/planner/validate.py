@@ -141,8 +141,7 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
         from ..components import float8
 
         float8.check_config(f, supported=family(cfg.model.name).support(caps).fp8, model=cfg.model.name,
-                            engine=caps.name, engine_takes=caps.torchao_fp8, tp=int(cfg.mesh.tp),
-                            torchao_models=[n for n, fam in FAMILIES.items() if fam.torchao_fp8])
+                            tp=int(cfg.mesh.tp), torchao_models=[n for n, fam in FAMILIES.items() if fam.torchao_fp8])
         return
     if f.attention and f.recipe not in (FP8Recipe.delayed, FP8Recipe.current):
         raise ConfigError("fp8.attention", f"FP8 attention is wired for delayed and current scaling, not '{f.recipe}'",

@@ -100,9 +100,11 @@ class Training:
         return precision.fp8_autocast(self.fp8_recipe)
 
 
-def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_recipe=None, tp: int = 1):
+def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_recipe=None, tp: int = 1,
+                fp8_all_gather: bool = True):
     """(spec, model, frozen names, fp8-skipped names): built on `device` (or meta), unsharded, with
-    model.peft's adapters. `tp` reaches families whose layers are built tensor-parallel (te_gpt)."""
+    model.peft's adapters. `tp` reaches families whose layers are built tensor-parallel (te_gpt);
+    `fp8_all_gather`: torchao_tensorwise's weights all-gather in FP8 (the engine's caps)."""
     spec = build_model_spec(model_cfg, seq_len, tp=tp)
     init_device = torch.device("meta") if model_cfg.init_on_meta else device
     with torch.device(init_device), precision.quantized_init(fp8_recipe if fp8_cfg.params else None):
@@ -114,7 +116,7 @@ def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_reci
     if is_torchao(fp8_cfg.recipe):  # torchao float8: its Float8Linear layers, no TE recipe
         from ..components import float8
 
-        kept = float8.convert(model, fp8_cfg)
+        kept = float8.convert(model, fp8_cfg, all_gather=fp8_all_gather)
     else:
         kept = precision.apply_fp8_skip(model, list(fp8_cfg.skip)) if fp8_recipe is not None and fp8_cfg.skip else []
     return spec, model, frozen, kept
@@ -136,8 +138,9 @@ def build_training(cfg, rt: Runtime) -> Training:
         check_gpu_only(cfg)
     fp8_recipe = precision.build_fp8_recipe(cfg.fp8)
     seed_all(cfg.train.seed)  # the same on every rank: nothing is broadcast at wrap time
+    fp8_all_gather = engine_caps(cfg.engine.name).torchao_fp8_all_gather
     spec, model, frozen, kept = build_model(cfg.model, cfg.fp8, cfg.train.seq_len, rt.device, fp8_recipe,
-                                            tp=rt.dims.tp)
+                                            tp=rt.dims.tp, fp8_all_gather=fp8_all_gather)
     engine = build_engine(cfg, rt)
     # The family's TP -> CP -> activation checkpointing on the built model; the engine shards last.
     family(cfg.model.name).parallelize(model, cfg.model, rt.dims, rt.mesh)
@@ -155,7 +158,7 @@ def build_training(cfg, rt: Runtime) -> Training:
     if is_torchao(cfg.fp8.recipe):
         from ..components import float8
 
-        float8.after_optimizer_steps(model, optimizer, cfg.fp8)
+        float8.after_optimizer_steps(model, optimizer, cfg.fp8, all_gather=fp8_all_gather)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()
     return Training(spec, model, forward_model, engine, optimizer, scheduler, fp8_recipe, frozen, kept,
                     peft_line=spec.peft_line, compile_line=compile_line)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import List
 
-from ...core.fp8_flops import HIGH, LINEAR, TE_ATTENTION, TE_LAYER, Matmul
+from ...core.fp8_flops import GROUPED, HIGH, LINEAR, TE_ATTENTION, TE_LAYER, Matmul
 from .dims import GPTDims
 
 
@@ -16,7 +16,7 @@ def _linear(module: str, n_in: int, n_out: int, fp8_by: str = LINEAR) -> Matmul:
 
 def gpt_matmuls(d: GPTDims, seq_len: int) -> List[Matmul]:
     """models/llama/gpt_modules.py's: nn.Linear layers (torchao converts them), SDPA, and in a
-    mixture of experts the router and grouped experts, which stay in high precision."""
+    mixture of experts the router (high precision) and the grouped experts (FP8 under torchao)."""
     out = []
     for i in range(d.n_layers):
         p = f"layers.{i}"
@@ -25,7 +25,7 @@ def gpt_matmuls(d: GPTDims, seq_len: int) -> List[Matmul]:
         if d.is_moe_layer(i):
             m = d.moe
             out += [Matmul(f"{p}.mlp.router", 6.0 * d.dim * m.experts, HIGH),
-                    Matmul(f"{p}.mlp.experts", 6.0 * m.top_k * 3 * d.dim * m.ffn_dim, HIGH)]
+                    Matmul(f"{p}.mlp.experts", 6.0 * m.top_k * 3 * d.dim * m.ffn_dim, GROUPED, (d.dim, m.ffn_dim))]
             if m.shared_experts:
                 out += [_linear(f"{p}.mlp.shared.w_gate_up", d.dim, 2 * m.shared_ffn_dim),
                         _linear(f"{p}.mlp.shared.w_down", m.shared_ffn_dim, d.dim)]

@@ -8,9 +8,9 @@
   experts' scores are renormalized to sum to 1 (Qwen3-MoE's norm_topk_prob, Mixtral).
 * `GroupedExperts`: the experts' weights as two 3-D tensors in Hugging Face Qwen3-MoE's layout,
   w_gate_up [E, 2 * ffn, dim] ([gate; up] rows) and w_down [E, dim, ffn]. The tokens, sorted by
-  expert, run through one grouped GEMM per weight (`torch._grouped_mm`) on CUDA in bf16, a padded
-  batched GEMM on CUDA otherwise, and a plain loop over the experts on the CPU: never one kernel
-  per expert on the GPU.
+  expert, run through one grouped GEMM per weight (`torch._grouped_mm`) on CUDA in bf16 (in FP8
+  under fp8.recipe=torchao_*: models/llama/moe_fp8.py), a padded batched GEMM on CUDA otherwise,
+  and a plain loop over the experts on the CPU: never one kernel per expert on the GPU.
 * Dispatch: locally, or over the expert-parallel group with all-to-all when mesh.ep > 1
   (models/llama/expert_parallel.py sets `MoE.dispatcher`).
 * Losses: in training each forward stashes `aux_loss` = aux_loss_coef * the Switch load-balancing
@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..moe_metrics import in_recompute
+from . import moe_fp8
 from .dims import GPTDims
 from .moe_dims import expert_capacity
 
@@ -93,6 +94,8 @@ class GroupedExperts(nn.Module):
 
     # Its parameters are expert parameters: Megatron-FSDP's expert mesh (engines/megatron_experts.py).
     is_expert_module = True
+    # The grouped GEMMs in FP8 (models/llama/moe_fp8.py): enable_fp8, under fp8.recipe=torchao_*.
+    fp8 = False
 
     def __init__(self, experts: int, dim: int, ffn: int, out_std: float, **kw):
         super().__init__()
@@ -109,13 +112,20 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_gate_up, mean=0.0, std=INIT_STD)
         nn.init.normal_(self.w_down, mean=0.0, std=self.out_std)
 
+    def enable_fp8(self) -> bool:
+        """Run the grouped GEMMs in FP8 on CUDA (components/float8.py calls it); False, and stay in
+        high precision, where a dimension is not a multiple of the FP8 GEMMs' 16."""
+        dim, ffn = self.w_down.shape[1:]
+        self.fp8 = dim % moe_fp8.ALIGN == 0 and ffn % moe_fp8.ALIGN == 0
+        return self.fp8
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [A, dim], rows grouped by local expert (`counts` [E_local] rows each) -> [A, dim]."""
-        return run_local_experts(x, counts, self.w_gate_up, self.w_down, self.grad_scale)
+        return run_local_experts(x, counts, self.w_gate_up, self.w_down, self.grad_scale, fp8=self.fp8)
 
 
 def run_local_experts(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                      grad_scale: float = 1.0) -> torch.Tensor:
+                      grad_scale: float = 1.0, fp8: bool = False) -> torch.Tensor:
     """SwiGLU experts in Qwen3-MoE's layout (w_gate_up [E, 2 * ffn, dim], [gate; up] rows; w_down
     [E, dim, ffn]) on rows grouped by expert; DTensor weights (over the ep mesh) give this rank's
     experts, their gradients times `grad_scale` (models/expert_parallel.py)."""
@@ -124,7 +134,7 @@ def run_local_experts(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Te
         w1, w2 = w1.to_local(), w2.to_local()
     if grad_scale != 1.0:
         w1, w2 = _ScaleGrad.apply(w1, grad_scale), _ScaleGrad.apply(w2, grad_scale)
-    return run_experts(x, counts, w1, w2)
+    return run_experts(x, counts, w1, w2, fp8=fp8)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -140,9 +150,12 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                fp8: bool = False) -> torch.Tensor:
     if x.shape[0] == 0:
         return _no_rows(x, w1, w2)
+    if fp8 and moe_fp8.fp8_applies(x, w1, w2):
+        return moe_fp8.run_fp8(x, counts, w1, w2, _swiglu)
     if x.is_cuda and grouped_mm_applies(x, w1, w2):
         # The group sizes are data (the offsets), the shapes are not: torch.compile traces it with
         # the block around it (as torchtitan's MoE), no graph break.

@@ -45,3 +45,23 @@ def test_an_emulated_step_is_close_to_high_precision(recipe):
     got.backward()
     assert got.item() == pytest.approx(want.item(), rel=0.02)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_convert_turns_on_the_experts_fp8_grouped_gemm_where_it_applies():
+    from mfsdp_launch.models.llama.moe import GroupedExperts
+
+    def experts(**moe):
+        spec = build_model_spec(model_cfg("gpt", preset="tiny_moe", moe=moe or None), 32)
+        model = spec.build()
+        return model, {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+
+    model, found = experts()
+    assert len(found) == 2 and not any(m.fp8 for m in found.values())
+    assert float8.convert(model, FP8Config(recipe="torchao_rowwise", skip=["lm_head"])) == ["lm_head"]
+    assert all(m.fp8 for m in found.values())
+    model, found = experts()
+    kept = float8.convert(model, FP8Config(recipe="torchao_tensorwise", skip=["layers.0.mlp.experts"]))
+    assert kept == ["layers.0.mlp.experts"] and [m.fp8 for m in found.values()] == [False, True]
+    model, found = experts(ffn_dim=40)  # not a multiple of 16
+    assert float8.convert(model, FP8Config(recipe="torchao_rowwise")) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    assert not any(m.fp8 for m in found.values())

@@ -64,17 +64,24 @@ def test_te_gpt_under_a_te_recipe_hand_counted():
 
 
 def test_gpt_under_torchao_float8_hand_counted():
-    """torchao converts nn.Linear layers whose dimensions are multiples of 16; SDPA, a head of an
-    odd vocabulary, the MoE router and grouped experts stay in bf16; TE's FP8 attention is no part."""
+    """torchao converts nn.Linear layers whose dimensions are multiples of 16, and a mixture of
+    experts' grouped GEMMs under the same rule on (dim, ffn); SDPA, a head of an odd vocabulary and
+    the MoE router stay in bf16; TE's FP8 attention is no part."""
     assert share("gpt", fp8("torchao_tensorwise")) == pytest.approx((LINEARS + HEAD) / TOTAL)
     assert share("gpt", fp8("torchao_rowwise", skip=["lm_head"])) == pytest.approx(LINEARS / TOTAL)
     odd = 6 * 64 * 250  # vocab 250: the head is not a multiple of 16
     assert share("gpt", fp8("torchao_rowwise"), vocab_size=250) == pytest.approx(LINEARS / (LINEARS + odd + ATTENTION))
-    # tiny_moe: 4 experts of ffn 96, top_k 2; only the attention linears are nn.Linear.
+    # tiny_moe: 4 experts of ffn 96, top_k 2: the attention linears and the experts' grouped GEMMs
+    # (2 active experts x 3 matrices of 64 x 96 per token and layer).
     moe = model_cfg("gpt", preset="tiny_moe")
-    attn = 6 * 2 * (64 * 192 + 64 * 64)
+    attn, experts = 6 * 2 * (64 * 192 + 64 * 64), 6 * 2 * (2 * 3 * 64 * 96)
     got = fp8_share(family("gpt").matmuls(moe, SEQ), fp8("torchao_tensorwise"))
-    assert got == pytest.approx((attn + HEAD) / family("gpt").flops_per_token(moe, SEQ))
+    assert got == pytest.approx((attn + experts + HEAD) / family("gpt").flops_per_token(moe, SEQ))
+    skipped = fp8_share(family("gpt").matmuls(moe, SEQ), fp8("torchao_rowwise", skip=["layers.*.mlp.experts"]))
+    assert skipped == pytest.approx((attn + HEAD) / family("gpt").flops_per_token(moe, SEQ))
+    odd = model_cfg("gpt", preset="tiny_moe", moe={"ffn_dim": 40})  # not a multiple of 16: bf16 experts
+    assert fp8_share(family("gpt").matmuls(odd, SEQ), fp8("torchao_rowwise")) == pytest.approx(
+        (attn + HEAD) / family("gpt").flops_per_token(odd, SEQ))
 
 
 def test_a_measured_model_counts_its_converted_linears(tmp_path, monkeypatch):
