@@ -11,7 +11,7 @@ mantissa, so an exp_avg_sq update smaller than ~0.4 % of its value is lost: with
 from __future__ import annotations
 
 from itertools import chain
-from typing import Iterator, List, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 
@@ -70,6 +70,23 @@ def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
                 exp_avg_sqs[i].copy_(v[j])
 
 
+def step_group(state: dict, group: dict, state_dtype: Optional[torch.dtype] = None) -> None:
+    """One param group's AdamW step (an optimizer's `state` and param group): the states are made
+    at a parameter's first step, the moments in `state_dtype` (None: the parameter's)."""
+    live = [p for p in group["params"] if p.grad is not None]
+    for p in live:
+        s = state[p]
+        if not s:
+            s["step"] = torch.tensor(0.0)
+            s["exp_avg"] = torch.zeros_like(p, dtype=state_dtype)
+            s["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype)
+        s["step"] += 1
+    states = [state[p] for p in live]
+    adamw_update([local(p) for p in live], [local(p.grad) for p in live], [local(s["exp_avg"]) for s in states],
+                 [local(s["exp_avg_sq"]) for s in states], [s["step"].item() for s in states],
+                 lr=float(group["lr"]), betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+
+
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update with its moments stored in `state_dtype` (see the module's
     docstring). States are made like the parameters (DTensors of their layout under FSDP2), so DCP
@@ -79,7 +96,8 @@ class AdamW(torch.optim.Optimizer):
                  state_dtype: torch.dtype = torch.bfloat16):
         # torch.optim.AdamW's group keys too (amsgrad, foreach, ...; unused here): a checkpoint of
         # either optimizer then loads into the other, so optim.state_dtype can change at a resume.
-        defaults = {**torch.optim.AdamW([torch.zeros(1)]).defaults, "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        defaults = {**torch.optim.AdamW([torch.zeros(1)]).defaults, "lr": lr, "betas": tuple(betas), "eps": eps,
+                    "weight_decay": weight_decay}
         super().__init__(groups, defaults)
         self.state_dtype = state_dtype
 
@@ -90,19 +108,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            live = [p for p in group["params"] if p.grad is not None]
-            for p in live:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-                state["step"] += 1
-            states = [self.state[p] for p in live]
-            adamw_update([local(p) for p in live], [local(p.grad) for p in live],
-                         [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states],
-                         [s["step"].item() for s in states], lr=float(group["lr"]), betas=group["betas"],
-                         eps=group["eps"], weight_decay=group["weight_decay"])
+            step_group(self.state, group, self.state_dtype)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -27,7 +27,7 @@ from typing import Iterable, List, Set
 import torch
 import torch.nn as nn
 
-from .adamw import adamw_update, local as _local
+from .adamw import local as _local, step_group
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steep at 0
 NS_STEPS = 5
@@ -127,19 +127,7 @@ class Muon(torch.optim.Optimizer):
             w.add_(_shard_of(update, p).to(w.dtype), alpha=-lr)
 
     def _adamw(self, group: dict) -> None:
-        live = [p for p in group["params"] if p.grad is not None]
-        for p in live:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-        states = [self.state[p] for p in live]
-        adamw_update([_local(p) for p in live], [_local(p.grad) for p in live],
-                     [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
-                     [s["step"].item() for s in states], lr=float(group["lr"]), betas=group["betas"],
-                     eps=group["eps"], weight_decay=group["weight_decay"])
+        step_group(self.state, group)
 
 
 def muon_groups(model: nn.Module, weight_decay: float, no_decay: Set[int]) -> List[dict]:
