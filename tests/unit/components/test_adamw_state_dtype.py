@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import one_rank_group, refused, run_ranks
+from sharded_optim import checkpoint_manager, sharded_gpt, tiny_gpt, train_step as _step
 
 torch = pytest.importorskip("torch")
 
@@ -98,65 +99,17 @@ def test_the_estimate_halves_adams_state_and_an_offloaded_8b_fits_a_128_gib_host
 # ------------------------------------------------------------------------------------ FSDP2 + DCP
 
 
-def _gpt():
-    from helpers import model_cfg
-    from mfsdp_launch.models.llama.dims import resolve_gpt_dims
-    from mfsdp_launch.models.llama.gpt_modules import GPT
-
-    torch.manual_seed(0)
-    return GPT(resolve_gpt_dims(model_cfg("gpt", preset="tiny")))
-
-
-def _batch(step: int, rank: int, world: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    w = torch.randint(0, 256, (4, 17), generator=g)
-    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
-    return {"input_ids": w[rows, :-1], "labels": w[rows, 1:]}
-
-
 def _sharded(world: int, state_dtype: str):
-    from types import SimpleNamespace
-
     from mfsdp_launch.components.optim import build_scheduler
-    from mfsdp_launch.core.schema import EngineConfig, PrecisionConfig, ShardingConfig
-    from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.mesh import ParallelDims
-    from mfsdp_launch.models.llama.gpt_modules import Block
 
-    dims = ParallelDims(1, world, 1, 1)
-    engine = FSDP2Engine(engine_cfg=EngineConfig(), sharding_cfg=ShardingConfig(), precision_cfg=PrecisionConfig(),
-                         dims=dims, mesh=dims.build("cpu"), device=torch.device("cpu"))
-    model = engine.shard(_gpt(), SimpleNamespace(unit_modules=(Block,)), init_on_meta=False)
+    engine, model = sharded_gpt(world)
     cfg = OptimConfig(lr=1e-2, warmup_steps=1, state_dtype=state_dtype)
     opt = build_optimizer(model, cfg)
     return engine, model, opt, build_scheduler(opt, cfg, STEPS)
 
 
-def _step(model, opt, sched, step: int, rank: int, world: int, grads_to=None) -> None:
-    from torch.distributed.tensor import DTensor
-
-    from mfsdp_launch.models.losses import lm_loss
-
-    lm_loss(model, _batch(step, rank, world)).backward()
-    if grads_to is not None:
-        params = dict(grads_to.named_parameters())
-        for name, p in model.named_parameters():
-            params[name].grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-    opt.step()
-    sched.step()
-    opt.zero_grad()
-
-
 def _manager(run: Path, world: int, rank: int, engine):
-    import torch.distributed as dist
-
-    from mfsdp_launch.checkpoint import CheckpointManager
-    from mfsdp_launch.core.schema import CheckpointConfig
-
-    info = {"config_hash": "adamw", "model": {"name": "gpt"}, "mesh": {"dp_shard": world, "world_size": world},
-            "engine": {"name": "fsdp2"}, "versions": {}, "seed": 0}
-    return CheckpointManager(CheckpointConfig(interval=SAVE_AT), run, manifest_info=info, rank=rank,
-                             world_size=world, engine=engine, process_group=dist.new_group(backend="gloo"))
+    return checkpoint_manager(run, world, rank, engine, interval=SAVE_AT, tag="adamw")
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -168,7 +121,7 @@ def dp2_then_save(rank: int, world: int, workdir: str) -> None:
     from mfsdp_launch.components.optim import build_scheduler
 
     engine, model, opt, sched = _sharded(world, "bf16")
-    ref = _gpt()
+    ref = tiny_gpt()
     cfg = OptimConfig(lr=1e-2, warmup_steps=1, state_dtype="bf16")
     ref_opt = build_optimizer(ref, cfg)
     ref_sched = build_scheduler(ref_opt, cfg, STEPS)

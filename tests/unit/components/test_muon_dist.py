@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helpers import model_cfg, one_rank_group, run_ranks
+from helpers import one_rank_group, run_ranks
+from sharded_optim import checkpoint_manager, sharded_gpt, tiny_gpt, train_step as _step
 
-GLOBAL_BATCH, SEQ = 4, 16
 STEPS, SAVE_AT = 5, 3
 TOL = 1e-6
 
@@ -19,71 +19,16 @@ def _optim_cfg():
     return OptimConfig(name="muon", lr=0.02, weight_decay=0.1, warmup_steps=1, schedule="wsd", decay_fraction=0.6)
 
 
-def _gpt():
-    import torch
-
-    from mfsdp_launch.models.llama.dims import resolve_gpt_dims
-    from mfsdp_launch.models.llama.gpt_modules import GPT
-
-    torch.manual_seed(0)
-    return GPT(resolve_gpt_dims(model_cfg("gpt", preset="tiny")))
-
-
-def _batch(step: int, rank: int, world: int) -> dict:
-    """Rank `rank`'s rows of step `step`'s global batch (world 1: all of it)."""
-    import torch
-
-    g = torch.Generator().manual_seed(step)
-    w = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    return {"input_ids": w[rows, :-1], "labels": w[rows, 1:]}
-
-
-def _step(model, opt, sched, step: int, rank: int, world: int, grads_to=None) -> None:
-    """One training step; `grads_to` (a plain model) gets a copy of the whole gradients first."""
-    from torch.distributed.tensor import DTensor
-
-    from mfsdp_launch.models.losses import lm_loss
-
-    lm_loss(model, _batch(step, rank, world)).backward()
-    if grads_to is not None:
-        params = dict(grads_to.named_parameters())
-        for name, p in model.named_parameters():
-            params[name].grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-    opt.step()
-    sched.step()
-    opt.zero_grad()
-
-
 def _sharded(world: int):
-    from types import SimpleNamespace
-
-    import torch
-
     from mfsdp_launch.components.optim import build_optimizer, build_scheduler
-    from mfsdp_launch.core.schema import EngineConfig, PrecisionConfig, ShardingConfig
-    from mfsdp_launch.engines.fsdp2 import FSDP2Engine
-    from mfsdp_launch.mesh import ParallelDims
-    from mfsdp_launch.models.llama.gpt_modules import Block
 
-    dims = ParallelDims(1, world, 1, 1)
-    engine = FSDP2Engine(engine_cfg=EngineConfig(), sharding_cfg=ShardingConfig(), precision_cfg=PrecisionConfig(),
-                         dims=dims, mesh=dims.build("cpu"), device=torch.device("cpu"))
-    model = engine.shard(_gpt(), SimpleNamespace(unit_modules=(Block,)), init_on_meta=False)
+    engine, model = sharded_gpt(world)
     opt = build_optimizer(model, _optim_cfg())
     return engine, model, opt, build_scheduler(opt, _optim_cfg(), STEPS)
 
 
 def _manager(run: Path, world: int, rank: int, engine):
-    import torch.distributed as dist
-
-    from mfsdp_launch.checkpoint import CheckpointManager
-    from mfsdp_launch.core.schema import CheckpointConfig
-
-    info = {"config_hash": "muon", "model": {"name": "gpt"}, "mesh": {"dp_shard": world, "world_size": world},
-            "engine": {"name": "fsdp2"}, "versions": {}, "seed": 0}
-    return CheckpointManager(CheckpointConfig(interval=SAVE_AT), run, manifest_info=info, rank=rank,
-                             world_size=world, engine=engine, process_group=dist.new_group(backend="gloo"))
+    return checkpoint_manager(run, world, rank, engine, interval=SAVE_AT, tag="muon")
 
 
 def _assert_close(full: dict, ref: dict, what: str) -> None:
@@ -92,7 +37,7 @@ def _assert_close(full: dict, ref: dict, what: str) -> None:
     assert set(full) == set(ref), what
     worst = max((full[k] - ref[k]).abs().max().item() for k in full)
     assert worst <= TOL, f"{what}: max |difference| {worst:.3g} > {TOL}"
-    assert any(not torch.equal(full[k], v) for k, v in _gpt().state_dict().items()), f"{what}: nothing moved"
+    assert any(not torch.equal(full[k], v) for k, v in tiny_gpt().state_dict().items()), f"{what}: nothing moved"
 
 
 def dp2_then_save(rank: int, world: int, workdir: str) -> None:
@@ -105,7 +50,7 @@ def dp2_then_save(rank: int, world: int, workdir: str) -> None:
     assert isinstance(opt, Muon) and [g["muon"] for g in opt.param_groups] == [True, False, False]
     # Embedding and head go to AdamW: the Muon group holds the blocks' matrices only.
     assert len(opt.param_groups[0]["params"]) == 4 * 2  # wqkv, wo, w_gate_up, w_down per block
-    ref = _gpt()
+    ref = tiny_gpt()
     ref_opt = build_optimizer(ref, _optim_cfg())
     ref_sched = build_scheduler(ref_opt, _optim_cfg(), STEPS)
     mgr = _manager(Path(workdir) / "run", world, rank, engine)
