@@ -446,6 +446,8 @@ def _check_cuda_graph(cfg, caps: EngineCaps) -> None:
          "optim_grads_params"),
         # TE's fused loss was not captured in a graph here (its is_cg_capturable path is untested)
         (not machine.uses_fused_loss(cfg), "model.loss_kernel", "torch"),
+        # torchao's layers (and the experts' FP8 grouped GEMM) were never captured here
+        (not is_torchao(cfg.fp8.recipe), "fp8.recipe", "none, or a TE recipe"),
     ]
     for ok, key, allowed in rules:
         if not ok:

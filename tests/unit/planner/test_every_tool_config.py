@@ -27,6 +27,8 @@ BIG = ["model=gpt", "model.preset=8b", "precision.compute_dtype=bf16", "train.se
     (["fp8.recipe=torchao_rowwise", "mesh.tp=2", "launcher.nproc_per_node=2", "launcher.dry_run=true"], "mesh.tp",
      "tensor-parallel styles"),
     (["fp8.recipe=torchao_rowwise", "fp8.params=true", "launcher.dry_run=true"], "fp8.params", "TE's FP8"),
+    (["fp8.recipe=torchao_rowwise", "engine=megatron_fsdp", "train.cuda_graph=full_iteration", "optim.impl=te_fused",
+      "launcher.dry_run=true"], "fp8.recipe", "full_iteration"),
     (["fp8.recipe=delayed", "launcher.dry_run=true"], "fp8.recipe", "torchao_tensorwise|torchao_rowwise"),
 ])
 def test_refused_in_one_line(overrides, key, words):
