@@ -56,6 +56,7 @@ for _meta in ("false", "true"):
 for _off in ("false", "true"):  # optim.state_dtype=bf16: the launcher's AdamW, on the GPU and on the host
     G.train(f"tool_bf16_state_offload_{_off}", *GPT, *FP32, "engine=fsdp2", "train.steps=6", f"train.cpu_offload={_off}",
             "optim.state_dtype=bf16")
+G.train("tool_bf16_state_megatron", *GPT, *BF16, "engine=megatron_fsdp", "train.steps=6", "optim.state_dtype=bf16")
 G.train("tool_gpt_bf16", *GPT, *BF16, "engine=fsdp2", "train.steps=8")
 G.train("tool_gpt_bf16_compile", *GPT, *BF16, "engine=fsdp2", "train.steps=8", "train.compile=true", timeout=480)
 for _r in RECIPES:
@@ -121,6 +122,13 @@ def test_bf16_adam_moments_step_alike_on_the_gpu_and_offloaded(request):
     # elementwise kernels may order a lerp differently).
     assert_close(host.losses(), gpu.losses(), range(1, 7), rel=1e-5, what="bf16 moments offloaded")
     assert_close(gpu.losses(), fp32.losses(), range(1, 7), rel=1e-2, what="bf16 vs fp32 moments")
+
+
+@uses("tool_bf16_state_megatron")
+def test_bf16_adam_moments_train_under_megatron_fsdp(request):
+    run = G.get(request, "tool_bf16_state_megatron").ok()
+    assert run.config().optim.state_dtype == "bf16"
+    assert_learns(run.losses(), 6, min_drop=0.5, what="bf16 moments, Megatron-FSDP")
 
 
 # ------------------------------------------------------------------------------- torchao FP8
