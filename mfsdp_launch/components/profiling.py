@@ -1,6 +1,7 @@
 """train.profile: torch.profiler over a window of steps. Each rank writes its chrome trace into
 run.dir/profile/; rank 0 prints the top ops (self device time on GPUs, self CPU time on CPU) and
-writes the same table to run.dir/profile/top_ops.txt. Torch is imported where it is used, so
+writes the same table to run.dir/profile/top_ops.txt, with a line on the MoE layers' time and their
+grouped GEMMs' share of it where the model has MoE layers (components/profile_ranges.py). Torch is imported where it is used, so
 validation (torch-free) can call `check_profile`."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from ..core import rundir
+from . import profile_ranges
 from ..core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -73,6 +75,9 @@ class StepProfiler:
         self.prof.export_chrome_trace(str(self.out / trace_name(self.rank)))
         if self.rank == 0:
             table = self.top_table()
+            moe = profile_ranges.share_line(self.prof.events(), profile_ranges.MOE, profile_ranges.GROUPED_GEMM_OPS,
+                                            self.device.type == "cuda", "MoE layers (forward + backward)")
+            table += f"\n{moe}" if moe else ""
             (self.out / TOP_OPS).write_text(table + "\n")
             print(table, flush=True)
         self.prof = None

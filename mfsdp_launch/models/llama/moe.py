@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...components.profile_ranges import MOE as MOE_RANGE, profiled
 from ..moe_metrics import in_recompute
 from . import moe_fp8
 from .dims import GPTDims
@@ -237,7 +238,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])
+        # train.profile: the layer's forward and backward as named ranges (components/profile_ranges.py)
+        return profiled(MOE_RANGE, x.reshape(-1, shape[-1]), self._forward, in_recompute).view(shape)
+
+    def _forward(self, flat: torch.Tensor) -> torch.Tensor:
         weights, chosen, logits, probs = self.router(flat)
         counts = expert_counts(chosen, self.cfg.experts)
         y = self.route(flat, weights, chosen, counts)
@@ -247,7 +251,7 @@ class MoE(nn.Module):
             # Computed in a checkpointed block's recompute too (the same saved tensors), kept once.
             aux_loss, aux = self._losses(counts, logits, probs)
             self._account(counts, aux_loss, aux)
-        return y.view(shape)
+        return y
 
     def _losses(self, counts: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor):
         """(the weighted balancing losses of this micro-batch or None, the Switch loss itself)."""
