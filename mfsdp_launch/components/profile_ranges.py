@@ -78,5 +78,6 @@ def share_line(events: Iterable, name: str, ops: Sequence[str], on_gpu: bool, wh
     part = sum(_time(e, on_gpu) for e in ranges)
     inner = sum(_inner_time(e, ops, on_gpu) for e in ranges)
     share = f"{100 * inner / part:.1f} %" if part else "n/a"
-    return (f"{what}: {part / 1e3:.1f} ms of {unit} time in {len(ranges)} ranges ({100 * part / max(whole, 1e-9):.1f} % "
-            f"of the profiled steps); {' + '.join(ops)}: {inner / 1e3:.1f} ms, {share} of it")
+    of_steps = 100 * part / max(whole, 1e-9)
+    return (f"{what}: {part / 1e3:.1f} ms of {unit} time in {len(ranges)} ranges ({of_steps:.1f} % of the profiled "
+            f"steps); {' + '.join(ops)}: {inner / 1e3:.1f} ms, {share} of it")

@@ -1,8 +1,8 @@
 """train.profile: torch.profiler over a window of steps. Each rank writes its chrome trace into
 run.dir/profile/; rank 0 prints the top ops (self device time on GPUs, self CPU time on CPU) and
 writes the same table to run.dir/profile/top_ops.txt, with a line on the MoE layers' time and their
-grouped GEMMs' share of it where the model has MoE layers (components/profile_ranges.py). Torch is imported where it is used, so
-validation (torch-free) can call `check_profile`."""
+grouped GEMMs' share of it where the model has MoE layers (components/profile_ranges.py). Torch is
+imported where it is used, so validation (torch-free) can call `check_profile`."""
 
 from __future__ import annotations
 
