@@ -16,7 +16,8 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 # The fp32 working copies of narrower moments cover at most this many elements at a time (two
-# copies of 32M elements: 256 MiB), so the copies never cost what the narrow moments saved.
+# moments and the denominator of 32M elements: 384 MiB; a larger tensor is cut into pieces), so the
+# copies never cost what the narrow moments saved.
 WORK_CHUNK_ELEMENTS = 1 << 25
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -26,15 +27,38 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _chunks(n: int, sizes: Sequence[int], limit: int) -> Iterator[range]:
-    start, total = 0, 0
-    for i in range(n):
-        if total and total + sizes[i] > limit:
-            yield range(start, i)
-            start, total = i, 0
-        total += sizes[i]
-    if start < n:
-        yield range(start, n)
+def _pieces(tensors: Sequence[Sequence[torch.Tensor]], limit: float) -> List[tuple]:
+    """(index, start, end) pieces of the flattened tensors, none over `limit` elements where every
+    tensor of an index is contiguous (a larger one is cut; a non-contiguous one stays whole)."""
+    out = []
+    for i, group in enumerate(zip(*tensors)):
+        n = group[0].numel()
+        if n <= limit or not all(t.is_contiguous() for t in group):
+            out.append((i, 0, n))
+        else:
+            out += [(i, a, min(a + int(limit), n)) for a in range(0, n, int(limit))]
+    return out
+
+
+def _chunks(pieces: List[tuple], limit: float) -> Iterator[List[tuple]]:
+    chunk, total = [], 0
+    for piece in pieces:
+        size = piece[2] - piece[1]
+        if chunk and total + size > limit:
+            yield chunk
+            chunk, total = [], 0
+        chunk.append(piece)
+        total += size
+    if chunk:
+        yield chunk
+
+
+def _view(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return t if start == 0 and end == t.numel() else t.view(-1)[start:end]
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
@@ -42,32 +66,32 @@ def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
                  weight_decay: float) -> None:
     """Decoupled weight decay and Adam's step on local tensors, in place; `steps`: each parameter's
     step count including this one. fp32 moments are updated where they are; narrower ones in fp32
-    copies, a chunk of WORK_CHUNK_ELEMENTS at a time."""
+    copies, WORK_CHUNK_ELEMENTS at a time (a larger tensor in pieces)."""
     if not params:
         return
     beta1, beta2 = betas
     narrow = any(m.dtype != torch.float32 or v.dtype != torch.float32 for m, v in zip(exp_avgs, exp_avg_sqs))
     limit = WORK_CHUNK_ELEMENTS if narrow else float("inf")
-    for idx in _chunks(len(params), [p.numel() for p in params], limit):
-        p = [params[i] for i in idx]
-        g = [grads[i] if grads[i].dtype == torch.float32 else grads[i].float() for i in idx]
-        m = [exp_avgs[i] if exp_avgs[i].dtype == torch.float32 else exp_avgs[i].float() for i in idx]
-        v = [exp_avg_sqs[i] if exp_avg_sqs[i].dtype == torch.float32 else exp_avg_sqs[i].float() for i in idx]
+    for chunk in _chunks(_pieces((params, grads, exp_avgs, exp_avg_sqs), limit), limit):
+        p = [_view(params[i], a, b) for i, a, b in chunk]
+        g = [_fp32(_view(grads[i], a, b)) for i, a, b in chunk]
+        m_store = [_view(exp_avgs[i], a, b) for i, a, b in chunk]
+        v_store = [_view(exp_avg_sqs[i], a, b) for i, a, b in chunk]
+        m, v = [_fp32(t) for t in m_store], [_fp32(t) for t in v_store]
         if weight_decay:
             torch._foreach_mul_(p, 1 - lr * weight_decay)
         torch._foreach_lerp_(m, g, 1 - beta1)
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, g, g, 1 - beta2)
         denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, [(1 - beta2 ** steps[i]) ** 0.5 for i in idx])
+        torch._foreach_div_(denom, [(1 - beta2 ** steps[i]) ** 0.5 for i, _, _ in chunk])
         torch._foreach_add_(denom, eps)
         # addcdiv with a narrower parameter (bf16 weights) computes in fp32 and rounds once.
-        torch._foreach_addcdiv_(p, m, denom, [-lr / (1 - beta1 ** steps[i]) for i in idx])
-        for j, i in enumerate(idx):
-            if m[j] is not exp_avgs[i]:
-                exp_avgs[i].copy_(m[j])
-            if v[j] is not exp_avg_sqs[i]:
-                exp_avg_sqs[i].copy_(v[j])
+        torch._foreach_addcdiv_(p, m, denom, [-lr / (1 - beta1 ** steps[i]) for i, _, _ in chunk])
+        for work, store in ((m, m_store), (v, v_store)):
+            for w, t in zip(work, store):
+                if w is not t:
+                    t.copy_(w)
 
 
 def step_group(state: dict, group: dict, state_dtype: Optional[torch.dtype] = None) -> None:

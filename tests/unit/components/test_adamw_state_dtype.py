@@ -45,6 +45,19 @@ def test_fp32_moments_are_torch_adamw_bitwise_in_any_chunking(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(ref, ours))
 
 
+def test_bf16_moments_are_the_same_in_any_chunking_and_pieces(monkeypatch):
+    """A tensor over WORK_CHUNK_ELEMENTS is updated in pieces (the 300 x 70 and 5000 ones at 1000):
+    elementwise, so the result is the same as in one piece."""
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    whole, whole_opt = _run(lambda groups: adamw.AdamW(groups, **kw))
+    monkeypatch.setattr(adamw, "WORK_CHUNK_ELEMENTS", 1000)
+    cut, cut_opt = _run(lambda groups: adamw.AdamW(groups, **kw))
+    assert all(torch.equal(a, b) for a, b in zip(whole, cut))
+    for a, b in zip(whole_opt.state.values(), cut_opt.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    assert adamw._pieces(([torch.zeros(2500)],), 1000) == [(0, 0, 1000), (0, 1000, 2000), (0, 2000, 2500)]
+
+
 def test_bf16_moments_take_half_the_bytes_and_follow_fp32(monkeypatch):
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     ref, ref_opt = _run(lambda groups: torch.optim.AdamW(groups, foreach=True, **kw))
