@@ -15,7 +15,7 @@ from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model, fully_shard_o
 from mfsdp_launch.models.llama.dims import flops_per_token, resolve_gpt_dims  # noqa: E402
 from mfsdp_launch.models.llama.config import GPTModelConfig  # noqa: E402
 from mfsdp_launch.core.schema import TrainConfig  # noqa: E402
-from mfsdp_launch.engines.base import square_sum  # noqa: E402
+from mfsdp_launch.engines.base import clip_to_norm, square_sum  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="gpt"); p.add_argument("--preset", default="1.4b")
@@ -72,9 +72,7 @@ def clip(max_norm):
         return
     sq = square_sum(grads, torch.device("cuda"))
     dist.all_reduce(sq)
-    scale = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-    for dtype in {g.dtype for g in grads}:
-        torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
+    clip_to_norm(grads, sq.sqrt(), max_norm)
 
 
 def step():

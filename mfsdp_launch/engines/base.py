@@ -25,19 +25,38 @@ class StepCheck:
     bad_ranks: int = 0  # ranks whose own loss was not finite
 
 
+Groups = Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]]
+
+
+def _by_dtype_and_device(tensors: List[torch.Tensor]) -> Groups:
+    """The groups one foreach call can take."""
+    groups: Groups = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
 def square_sum(tensors: List[torch.Tensor], device) -> torch.Tensor:
     """The sum of squares of all `tensors`, a 0-d tensor on `device` (fp32, fp64 where a tensor is
     fp64): one foreach norm per dtype and device (one read of each tensor, a few launches), not a
     squared copy of each."""
-    groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
     sq = torch.zeros((), device=device, dtype=torch.float32)
-    for (dtype, _), ts in groups.items():
+    for (dtype, _), ts in _by_dtype_and_device(tensors).items():
         # At least fp32; fp64 main gradients stay fp64 (foreach_norm refuses to narrow them).
         norms = torch._foreach_norm(ts, 2.0, dtype=torch.promote_types(dtype, torch.float32))
         sq = sq + torch.stack(norms).pow(2).sum().to(device)
     return sq
+
+
+def clip_to_norm(grads: List[torch.Tensor], total: torch.Tensor, max_norm: Optional[float]) -> None:
+    """Clip: scale every gradient (shard) by min(1, max_norm / total), `total` their global norm
+    (a device tensor: no host sync). max_norm None: nothing."""
+    if max_norm is None or not grads:
+        return
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (dtype, device), gs in _by_dtype_and_device(grads).items():
+        # (on the host under train.cpu_offload, while the norm was summed on the device)
+        torch._foreach_mul_(gs, scale.to(device=device, dtype=dtype))
 
 
 def _world_size() -> int:
@@ -114,15 +133,7 @@ class Engine(ABC):
 
     def scale_grads(self, grads: List[torch.Tensor], total: torch.Tensor, max_norm: Optional[float]) -> None:
         """Clip: scale every local gradient shard by min(1, max_norm / total)."""
-        if max_norm is None or not grads:
-            return
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, gs in by_dtype.items():
-            # (on the host under train.cpu_offload, while the norm was summed on the device)
-            torch._foreach_mul_(gs, scale.to(device=gs[0].device, dtype=dtype))
+        clip_to_norm(grads, total, max_norm)
 
     def norm_groups(self) -> List[Any]:
         """The process groups the local squares are summed over (in order) to the global norm's
