@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...components.profile_ranges import MOE as MOE_RANGE, profiled
+from ...core.fp8_flops import fp8_shape
 from ..moe_metrics import in_recompute
 from . import moe_fp8
 from .dims import GPTDims
@@ -115,9 +116,9 @@ class GroupedExperts(nn.Module):
 
     def enable_fp8(self) -> bool:
         """Run the grouped GEMMs in FP8 on CUDA (components/float8.py calls it); False, and stay in
-        high precision, where a dimension is not a multiple of the FP8 GEMMs' 16."""
-        dim, ffn = self.w_down.shape[1:]
-        self.fp8 = dim % moe_fp8.ALIGN == 0 and ffn % moe_fp8.ALIGN == 0
+        high precision, where a dimension is not a multiple of the FP8 GEMMs' 16 (the rule
+        mfu_at_precision counts by)."""
+        self.fp8 = fp8_shape(*self.w_down.shape[1:])  # (dim, ffn)
         return self.fp8
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
