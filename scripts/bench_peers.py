@@ -15,6 +15,7 @@ throughput.png are re-rendered through scripts/bench.py's `render`.
   python3 scripts/bench_peers.py                        # all six entries, one round (~12 min)
   python3 scripts/bench_peers.py --only tt_compile      # one entry by its short name
   python3 scripts/bench_peers.py --world 2              # on 2 of the machine's GPUs
+  python3 scripts/bench_peers.py --profile 20           # also trace step 20 of each run: <name>.ops.txt
   python3 scripts/bench_peers.py --merge OUT/peers_rows.json   # here: merge a device call's rows, render
 
 On the device only $OUT comes back, so each run also writes its rows to $OUT/peers_rows.json
@@ -62,7 +63,8 @@ LLAMA = dict(model="llama", preset="1.4b", seq=SEQ, mbs=MBS, precision="bf16")
 # short name -> the row it writes. kind: run_sh (a run.sh mode), tt (torchtitan with extra flags),
 # launcher (python -m mfsdp_launch through scripts/bench.py). Listed in the interleaved order.
 ENTRIES: Dict[str, dict] = {
-    "tt_nocg": dict(name="peer_torchtitan_flex_nocg_1.4b_bf16_mbs4", kind="run_sh", mode="flex_nocg",
+    # run.sh's flex_nocg mode, run as its `tt` function does (so --profile can add torchtitan's flags)
+    "tt_nocg": dict(name="peer_torchtitan_flex_nocg_1.4b_bf16_mbs4", kind="tt", flags=["--training.disable_cuda_graphs"],
                     log="tt_flex_nocg.log", parser="torchtitan", engine="torchtitan 0.3.0 FSDP2", **LLAMA),
     "mfsdp": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4", kind="launcher", engine="megatron_fsdp",
                   **dict(LLAMA, model="gpt")),
@@ -99,6 +101,10 @@ ENTRIES.update({
                         extra=["train.compile=true"], **dict(MOE, model="gpt")),
     "moe_fsdp2": dict(name="peers_fsdp2_qwen3moe_l4_bf16_mbs2", kind="launcher", engine="fsdp2",
                       **dict(MOE, model="gpt")),
+    # FSDP2 as torchtitan runs it: one micro-batch copies each gradient once, where Megatron-FSDP
+    # zeroes its fp32 gradient buffer and adds into it (session 22's trace: ~15 ms of a 141 ms step)
+    "moe_fsdp2_compile": dict(name="peers_fsdp2_qwen3moe_l4_bf16_mbs2_compile", kind="launcher", engine="fsdp2",
+                              extra=["train.compile=true"], **dict(MOE, model="gpt")),
     "moe_dense_twin": dict(name="peers_mfsdp_qwen3dense_l4_bf16_mbs2", kind="launcher", engine="megatron_fsdp",
                            extra=["model.moe.experts=0"], **dict(MOE, model="gpt")),
 })
@@ -223,6 +229,40 @@ def commands(e: dict, kit: Path, logs: Path, launcher_steps: int) -> List[List[s
              *launcher_overrides(e, launcher_steps, logs / e["name"], e["world"])]]
 
 
+def with_profile(e: dict, step: int) -> dict:
+    """`e` with one step (`step`, >= 4) traced by torch.profiler: torchtitan's profiler flags (it
+    warms up 3 steps, then records 1), the launcher's train.profile. run.sh modes stay as they are."""
+    if e["kind"] == "tt":
+        return dict(e, flags=[*e["flags"], "--profiler.enable_profiling", "--profiler.profile_freq", str(step)])
+    if e["kind"] == "launcher":
+        return dict(e, extra=[*e.get("extra", []), f"train.profile={{start: {step}, steps: 1}}"])
+    return e
+
+
+def trace_of(e: dict, logs: Path, step: int) -> Optional[Path]:
+    """The rank-0 chrome trace of step `step` that a profiled run of `e` wrote, if any (torchtitan
+    traces every profile_freq-th step: profiling/traces/iteration_N/rank0_trace.json.gz)."""
+    if e["kind"] == "launcher":
+        found = sorted((logs / e["name"] / "profile").glob("trace_rank0.json*"))
+    else:
+        found = sorted(Path(f"/tmp/ttrun/{Path(e['log']).stem}").glob(f"**/iteration_{step}/rank0_trace.json*"))
+    return found[0] if found else None
+
+
+def write_profile(e: dict, logs: Path, step: int) -> Optional[str]:
+    """scripts/trace_summary.py's table of `e`'s traced step, as <name>.ops.txt in `logs`."""
+    import trace_summary
+
+    trace = trace_of(e, logs, step)
+    if trace is None:
+        return None
+    table = trace_summary.render(trace_summary.summarize(trace_summary.gpu_kernels(trace_summary.load_events(trace))),
+                                 e["name"])
+    out = logs / f"{e['name']}.ops.txt"
+    out.write_text(table + "\n")
+    return str(out)
+
+
 def launcher_overrides(e: dict, steps: int, run_dir: Path, world: int) -> List[str]:
     return bench.launcher_args(e, world, steps, 5, run_dir)  # (it appends the entry's "extra" overrides)
 
@@ -313,6 +353,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tag", default="", help="suffix for the row names (keeps rows of separate calls apart)")
     ap.add_argument("--world", type=int, default=None,
                     help="GPUs for every entry (default: the machine's GPU count; the MoE slice entries: 1)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEP",
+                    help="trace step STEP (>= 4) of each torchtitan and launcher run; <name>.ops.txt in --logs "
+                         "says where its GPU time went (scripts/trace_summary.py)")
     ap.add_argument("--dry", action="store_true", help="print the commands; run nothing")
     ap.add_argument("--merge", nargs="+", help="peers_rows.json files from device calls: merge and render")
     a = ap.parse_args(argv)
@@ -325,6 +368,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.world is not None and a.world < 1:
         print(f"bench_peers: --world must be >= 1, got {a.world}", file=sys.stderr)
         return 2
+    if a.profile and not 4 <= a.profile <= min(STEPS, a.steps):
+        print(f"bench_peers: --profile must be a step in 4..{min(STEPS, a.steps)}, got {a.profile}", file=sys.stderr)
+        return 2
     names = a.only or DEFAULT
     kit, logs = Path(a.kit), Path(a.logs)
     machine = local_gpu_count()  # torch-free: the driver's GPU list, CUDA_VISIBLE_DEVICES
@@ -334,6 +380,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.dry:
         for r, n, world in plan:
             e = dict(ENTRIES[n], world=world)
+            e = with_profile(e, a.profile) if a.profile else e
             for cmd in commands(e, kit, logs, a.steps):
                 print(f"[round {r}] {n}: {shlex.join(cmd)}")
         return 0
@@ -362,6 +409,7 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
     with open(logs / "launcher.log", "a") as log:
         for r, n, world in plan:
             e = dict(ENTRIES[n], world=world, name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else "") + a.tag)
+            e = with_profile(e, a.profile) if a.profile else e
             if e["kind"] == "launcher":
                 row = run_ours(e, a.steps, logs, log, world=world, timeout=a.timeout + 120)
             else:
@@ -370,6 +418,8 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
                     row["mfu"] = mfu_of(row["tokens_per_s_per_gpu"], peak, e.get("preset", "1.4b"),
                                         e.get("n_layers"), e.get("seq", SEQ))
             row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            if a.profile:
+                row["profile_step"], row["profile_ops"] = a.profile, write_profile(e, logs, a.profile)
             res["runs"][row["name"]] = row
             bench.save_results(res)
             rows[row["name"]] = row

@@ -4,7 +4,8 @@ Each unit's `forward` is replaced by its compiled version in place, so parameter
 hooks around each unit (they run outside the compiled region) and activation checkpointing (already
 applied to `forward`) stay as they are; one block's graph is compiled once and reused by every
 block of the same shapes. Models without plain-torch units (TE layers, the seed's toys) are
-compiled whole.
+compiled whole. The cross-entropy on the logits, outside every unit, is compiled on its own
+(models/losses.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from .activation_checkpoint import is_te_module
 def compile_model(model: nn.Module, unit_classes: Sequence[type]) -> tuple[nn.Module, str]:
     """(the module to call for forward, one line saying what was compiled): `model` with its units
     compiled, or torch.compile(model)."""
+    from .losses import compile_cross_entropy
+
+    compile_cross_entropy()  # the loss outside the units: compiled too (losses.py says why)
     classes = tuple(unit_classes)
     units = [m for m in model.modules() if classes and isinstance(m, classes) and not is_te_module(m)]
     if not units:
@@ -31,4 +35,4 @@ def compile_model(model: nn.Module, unit_classes: Sequence[type]) -> tuple[nn.Mo
     # The declared class, not FSDP2's per-class wrapper type (FSDPBlock).
     names = sorted({next(c.__name__ for c in classes if isinstance(u, c)) for u in units})
     return model, (f"train.compile: on: {len(units)} {'/'.join(names)} unit(s) compiled in place, one graph "
-                   "reused by units of the same shapes; the first step compiles it")
+                   "reused by units of the same shapes, and the cross-entropy on a GPU; the first step compiles it")

@@ -105,7 +105,11 @@ def _check_layer(layer: "nn.Module", lp: LayerPlan) -> None:
             raise ValueError(f"has {type(child).__name__} ({name}) in its decoder layers, outside its plan")
         lp.norms.append(name)
     for path in lp.colwise + lp.rowwise:
-        if not isinstance(layer.get_submodule(path), nn.Linear):
+        try:
+            planned = layer.get_submodule(path)
+        except AttributeError:  # a plan written for dense layers, on a sparse (MoE) one: Qwen2-MoE's
+            raise ValueError(f"plans {path}, which its decoder layers do not have") from None
+        if not isinstance(planned, nn.Linear):
             raise ValueError(f"plans {path} as {'colwise' if path in lp.colwise else 'rowwise'}, which is not an nn.Linear")
     for gathered in lp.gathered:
         module = layer.get_submodule(gathered)

@@ -81,7 +81,18 @@ def rope_cos_sin(positions, head_dim: int, theta: float, device) -> tuple[torch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, head_dim] by the positions' angles; math in fp32."""
+    """Rotate x [B, H, T, head_dim] by the positions' angles; math in fp32. On CUDA, outside
+    torch.compile, one Triton kernel does it (rope_kernel.py: the same math, a tenth of the kernels)."""
+    if x.is_cuda and not torch.compiler.is_compiling():  # (Dynamo folds the test: it traces plain_rope)
+        from . import rope_kernel  # (Triton: imported only where a GPU runs the step)
+
+        if rope_kernel.applies(x, cos) and sin.shape == cos.shape and sin.is_contiguous():
+            return rope_kernel.fused_rope(x, cos, sin)
+    return plain_rope(x, cos, sin)
+
+
+def plain_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope in torch ops (the CPU's path, and what torch.compile fuses)."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)

@@ -40,3 +40,18 @@ def test_compiled_run_has_the_eager_losses(tmp_path):
         assert ("train.compile: on: 2 Block unit(s) compiled in place" in out) == (flag == "true")
         losses[flag] = [r["loss"] for r in read_metrics(tmp_path / flag)]
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)
+
+
+def test_train_compile_turns_on_the_compiled_cross_entropy_for_cuda_logits_only(monkeypatch):
+    """The cross-entropy outside the units goes through torch.compile once compile_model ran, for
+    CUDA logits; CPU logits keep the eager kernel (the same function, so the same figure)."""
+    from mfsdp_launch.models import losses
+    from mfsdp_launch.models.compile import compile_model
+
+    monkeypatch.setitem(losses._COMPILED_CE, "on", False)
+    monkeypatch.setitem(losses._COMPILED_CE, "fn", None)
+    compile_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), [])
+    assert losses._COMPILED_CE["on"]
+    logits, labels = torch.randn(2, 3, 11), torch.tensor([[1, 2, -100], [4, 5, 6]])
+    assert torch.equal(losses.summed_cross_entropy(logits, labels), losses.plain_summed_cross_entropy(logits, labels))
+    assert losses._COMPILED_CE["fn"] is None  # nothing compiled for the CPU
