@@ -221,6 +221,11 @@ class CheckpointManager:
         interval = int(cfg_get(self.cfg, "interval", 0) or 0)
         return interval > 0 and step > 0 and step % interval == 0
 
+    def due(self, step: int, *, final: bool = False, force: bool = False) -> bool:
+        """Whether `maybe_save` with these arguments saves (keep_best aside: it needs the step's
+        validation, which settles the step anyway)."""
+        return self._wants(step, final, force) and step not in self.saver.have_steps
+
     def maybe_save(self, step: int, model, optimizer, scheduler, train_state, *, final: bool = False,
                    force: bool = False, val_loss: Optional[float] = None) -> float:
         """Save if this step asks for it; returns the seconds training was blocked. Collective:

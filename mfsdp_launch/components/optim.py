@@ -83,6 +83,21 @@ def fused_adamw_problem(device_type: str) -> str:
     return ""
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether `arm_device_skip` can skip this optimizer's next step: torch's fused Adam and AdamW
+    read GradScaler's `found_inf` flag in their kernel and then leave the parameters, moments and
+    step count as they were, so the loop need not wait for the host's verdict before stepping."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not optimizer.defaults.get("fused"):
+        return False
+    return all(p.device.type == device.type for g in optimizer.param_groups for p in g["params"])
+
+
+def arm_device_skip(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """The next `step()` applies nothing where `bad` (a 0-d float32 tensor on the parameters'
+    device) is 1.0 (`skips_on_device` optimizers only)."""
+    optimizer.found_inf = bad
+
+
 # ---------------------------------------------------------------------------------------------
 # At a resume: the config's hyper-parameters and base LR win over the checkpoint's, so an LR change
 # takes effect; counters (TE FusedAdam keeps Adam's "step" in the param group) come from the checkpoint.

@@ -25,6 +25,42 @@ class StepCheck:
     bad_ranks: int = 0  # ranks whose own loss was not finite
 
 
+def _read_check(values: List[float]) -> StepCheck:
+    """[square sum, ranks with a non-finite loss, mean loss] -> the StepCheck."""
+    sq_sum, bad_ranks, mean_loss = values
+    norm = math.sqrt(sq_sum) if sq_sum >= 0 else float("nan")
+    finite = bad_ranks == 0 and math.isfinite(norm) and math.isfinite(mean_loss)
+    return StepCheck(grad_norm=norm, loss=mean_loss, finite=finite, bad_ranks=int(bad_ranks))
+
+
+class PendingCheck:
+    """A step's check still on the device (`check_step(defer=True)`): `bad` is a 0-d float32
+    device flag (1.0: the step must not be applied) that an optimizer can read without the host
+    (components/optim.arm_device_skip); `result()` waits for the three numbers, copied to the
+    host without blocking when the check was made, and gives the StepCheck."""
+
+    def __init__(self, values: torch.Tensor):
+        norm = values[0].sqrt()
+        self.bad = (~((values[1] == 0) & torch.isfinite(norm) & torch.isfinite(values[2]))).to(torch.float32)
+        self.norm = norm
+        self._event = None
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+        self._result: Optional[StepCheck] = None
+
+    def result(self) -> StepCheck:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = _read_check(self._host.tolist())
+        return self._result
+
+
 Groups = Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]]
 
 
@@ -101,22 +137,29 @@ class Engine(ABC):
         self.scale_grads(grads, total, max_norm)
         return total
 
-    def check_step(self, model: torch.nn.Module, max_norm: Optional[float], loss: torch.Tensor) -> "StepCheck":
+    def check_step(self, model: torch.nn.Module, max_norm: Optional[float], loss: torch.Tensor,
+                   defer: bool = False):
         """The step's gradient norm and loss, checked on every rank with the one reduction the
         norm needs anyway: [weighted square sum, 1 if this rank's loss is not finite, loss / world]
-        summed over all ranks. The host reads those three numbers (the step's one device sync);
-        the gradients are clipped only when the step is finite (a skipped step zeroes them).
-        `loss`: this rank's loss of the step (mean over its microbatches). Collective."""
+        summed over all ranks. `loss`: this rank's loss of the step (mean over its microbatches).
+        Collective.
+
+        defer=False: the host reads those three numbers (the step's one device sync) and gets a
+        StepCheck; the gradients are clipped only when the step is finite. defer=True: nothing
+        waits; a PendingCheck, the gradients clipped whatever the verdict (a bad step's gradients
+        are discarded unread: its update is skipped on the device)."""
         sq, grads = self.local_grad_square(model)
         loss = loss.detach().reshape(()).to(sq.dtype)
         world = _world_size()
         buf = self._all_reduce(torch.stack([sq, (~torch.isfinite(loss)).to(sq.dtype), loss / world]))
-        sq_sum, bad_ranks, mean_loss = buf.tolist()
-        norm = math.sqrt(sq_sum) if sq_sum >= 0 else float("nan")
-        finite = bad_ranks == 0 and math.isfinite(norm) and math.isfinite(mean_loss)
-        if finite:
+        if defer:
+            pending = PendingCheck(buf)
+            self.scale_grads(grads, pending.norm, max_norm)
+            return pending
+        check = _read_check(buf.tolist())
+        if check.finite:
             self.scale_grads(grads, buf[0].sqrt(), max_norm)
-        return StepCheck(grad_norm=norm, loss=mean_loss, finite=finite, bad_ranks=int(bad_ranks))
+        return check
 
     def local_grad_square(self, model: torch.nn.Module) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """(this rank's weighted sum of squares of its gradient shards, those shards): summed over

@@ -16,6 +16,7 @@ from .oom import note_step
 from .progress import RankProgress
 from .step_guard import OK, ROLLBACK, Diverged, StepGuard
 from .token_weights import distinct_targets, step_weights, target_count, weighted_mean
+from ..components.optim import arm_device_skip, skips_on_device
 from ..components.metrics import MetricsWriter, StepTimer, alloc_retries, peak_memory_gib, peak_reserved_gib
 from ..core.mfu import mfu
 
@@ -72,6 +73,29 @@ class LoopContext:
     precision_peak_tflops: Optional[float] = None  # the FP8-weighted peak: `mfu_at_precision` (core/mfu.py)
 
 
+@dataclass
+class _Window:
+    """What the next metrics row sums since the last one."""
+
+    loss_sum: float = 0.0  # the losses of the applied steps
+    good: int = 0  # applied steps
+    steps: int = 0  # steps (skipped ones included)
+    blocked: float = 0.0  # seconds checkpoint saves blocked training
+    paused: float = 0.0  # seconds of validation
+    targets: Optional[torch.Tensor] = None  # masked labels: the global target tokens (device)
+
+
+def defers_verdict(ctx: LoopContext, train_cfg) -> bool:
+    """Whether a step's verdict (rank/step_guard.py) is read one step late, so that the host never
+    waits for the device before the optimizer step and the next forward (a forward whose kernels
+    launch slower than they run would otherwise leave the GPU idle every step): when the optimizer
+    skips a bad step on the device by itself, and nothing must act on the verdict before the next
+    step: no spike judging (the host's statistics), no model hook taking it (MoE's bias update),
+    no captured CUDA-graph step."""
+    return (skips_on_device(ctx.optimizer, ctx.device) and train_cfg.spike_zscore is None
+            and getattr(ctx.spec, "after_step", None) is None and ctx.step_fn is None)
+
+
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
     ga = train_cfg.grad_accum_steps
     sync_every = bool(ctx.engine.engine_cfg.sync_every_microbatch)
@@ -81,10 +105,31 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     timer = StepTimer(ctx.device)
     guard = StepGuard(train_cfg, ctx.rank)
     guard.start(state, ctx.scheduler, ctx.optimizer)
-    loss_sum, good_since_log = 0.0, 0  # the losses of the applied steps since the last row
-    targets_since_log = None  # masked labels: the global target tokens since the last row (device)
-    steps_since_log, blocked, paused = 0, 0.0, 0.0
+    defer = defers_verdict(ctx, train_cfg)
+    pending = None  # deferred: (step, PendingCheck) of the update launched before its verdict was read
+    window = _Window()
+    grad_norm = None
     model_row: dict = {}  # the model's own metrics of the last step (spec.after_step)
+
+    def settle(step: int, check, applied: bool) -> str:
+        """The guard's verdict on `step`; an OK step's optimizer step (unless `applied`: deferred,
+        the device already skipped or applied it) and schedule step, and its loss counted."""
+        nonlocal grad_norm
+        verdict = guard.judge(step, check, state)
+        grad_norm = check.grad_norm
+        if verdict == OK:
+            if not applied:
+                ctx.optimizer.step()
+            ctx.scheduler.step()
+            window.loss_sum, window.good = window.loss_sum + check.loss, window.good + 1
+        return verdict
+
+    def roll_back(bad_step: int) -> None:
+        nonlocal window
+        _roll_back(model, state, ctx, guard, bad_step)
+        timer.lap()
+        window = _Window()
+
     try:
         while state.step < train_cfg.steps:
             if ctx.profiler is not None:
@@ -94,7 +139,7 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
             if ctx.masked_labels:  # per-token loss: every micro-batch's targets counted first
                 batches = [ctx.next_batch(state.step, micro) for micro in range(ga)]
                 weights, step_targets = step_weights(batches, ctx.world_size)
-                targets_since_log = step_targets if targets_since_log is None else targets_since_log + step_targets
+                window.targets = step_targets if window.targets is None else window.targets + step_targets
             for micro in range(ga):
                 ctx.engine.set_grad_sync(model, sync_every or micro == ga - 1)
                 if ctx.step_fn is not None:
@@ -107,49 +152,60 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 step_loss += loss.detach().float() / ga if weights is None else loss.detach().float() * weights[micro]
             # Before the optimizer step, on every rank alike: a non-finite loss or gradient norm
             # (or a spike) is skipped, and too many in a row roll back (rank/step_guard.py).
-            check = ctx.engine.check_step(model, train_cfg.grad_clip, step_loss)
-            verdict = guard.judge(state.step + 1, check, state)
-            grad_norm = check.grad_norm
-            if verdict == OK:
+            check = ctx.engine.check_step(model, train_cfg.grad_clip, step_loss, defer=defer)
+            if pending is not None:  # the previous step, judged now that this one's work is queued
+                (late_step, late), pending = pending, None
+                if settle(late_step, late.result(), applied=True) == ROLLBACK:
+                    ctx.optimizer.zero_grad(set_to_none=True)  # this step's gradients go too
+                    roll_back(late_step)
+                    continue
+            verdict = OK
+            if defer:
+                arm_device_skip(ctx.optimizer, check.bad)
                 ctx.optimizer.step()
-                ctx.scheduler.step()
-                loss_sum, good_since_log = loss_sum + check.loss, good_since_log + 1
+                pending = (state.step + 1, check)
+            else:
+                verdict = settle(state.step + 1, check, applied=False)
             ctx.optimizer.zero_grad(set_to_none=ctx.step_fn is None)
             after_step = getattr(ctx.spec, "after_step", None)
             if after_step is not None:  # MoE: expert loads, the router's bias (a collective)
                 model_row = after_step(model, verdict == OK)
             if verdict == ROLLBACK:
-                _roll_back(model, state, ctx, guard)
-                timer.lap()
-                loss_sum, good_since_log, steps_since_log, blocked, paused = 0.0, 0, 0, 0.0, 0.0
-                targets_since_log = None
+                roll_back(state.step + 1)
                 continue
             state.step += 1
             if ctx.profiler is not None:
                 ctx.profiler.end(state.step)
             state.consumed_samples += samples_per_step
             state.tokens_seen += tokens_per_step
-            steps_since_log += 1
+            window.steps += 1
 
             stop = ctx.stop_requested(state.step)
             last = state.step == train_cfg.steps
+            validating = _validation_due(ctx, train_cfg, state.step, last, stop)
+            logging = state.step % train_cfg.log_interval == 0 or last or stop
+            # the host's time since the last row, before anything waits for the device
+            straggle = ctx.stragglers.check(window.steps) if logging and ctx.stragglers else {}
+            if pending is not None and (logging or validating or ctx.checkpoints.due(state.step, final=last, force=stop)):
+                # what follows reads the verdict (the row, the saved counters and schedule): now
+                (late_step, late), pending = pending, None
+                if settle(late_step, late.result(), applied=True) == ROLLBACK:
+                    roll_back(late_step)
+                    continue
             val_row = None
-            if _validation_due(ctx, train_cfg, state.step, last, stop):
+            if validating:
                 val_row, seconds = validate(model, train_cfg.val_steps, state.step, ctx, progress)
-                paused += seconds
-            if state.step % train_cfg.log_interval == 0 or last or stop:
-                straggle = ctx.stragglers.check(steps_since_log) if ctx.stragglers else {}  # before the device sync
-                dt = (timer.lap() - paused) / steps_since_log  # validation is not training time
-                mean_loss = loss_sum / good_since_log if good_since_log else float("nan")  # all skipped: nan
-                row = {**_log_row(ctx, state, mean_loss, grad_norm, dt, tokens_per_step, blocked), **straggle}
+                window.paused += seconds
+            if logging:
+                dt = (timer.lap() - window.paused) / window.steps  # validation is not training time
+                mean_loss = window.loss_sum / window.good if window.good else float("nan")  # all skipped: nan
+                row = {**_log_row(ctx, state, mean_loss, grad_norm, dt, tokens_per_step, window.blocked), **straggle}
                 row["target_tokens_per_step"] = (
-                    distinct_targets(targets_since_log.item(), ctx.token_copies) / steps_since_log
-                    if targets_since_log is not None else tokens_per_step)
-                targets_since_log = None
+                    distinct_targets(window.targets.item(), ctx.token_copies) / window.steps
+                    if window.targets is not None else tokens_per_step)
                 row.update(bad_steps=guard.streak, skipped_steps=state.skipped_steps, rollbacks=state.rollbacks)
                 row.update(model_row)
-                loss_sum, good_since_log = 0.0, 0
-                steps_since_log, blocked, paused = 0, 0.0, 0.0
+                window = _Window()
                 if progress is not None:
                     progress.log(row)
                 ctx.metrics.write({**row, **(val_row or {})})  # one row per step
@@ -157,9 +213,9 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 ctx.metrics.write(val_row)
             if progress is not None:
                 progress.advance(state.step)
-            blocked += ctx.checkpoints.maybe_save(state.step, model, ctx.optimizer, ctx.scheduler, state,
-                                                  final=last, force=stop,
-                                                  val_loss=val_row["val_loss"] if val_row else None)
+            window.blocked += ctx.checkpoints.maybe_save(state.step, model, ctx.optimizer, ctx.scheduler, state,
+                                                         final=last, force=stop,
+                                                         val_loss=val_row["val_loss"] if val_row else None)
             if stop and not last:
                 if ctx.rank == 0:
                     print(f"stopping at step {state.step} on request; checkpoint saved", flush=True)
@@ -178,9 +234,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     return state
 
 
-def _roll_back(model, state: TrainState, ctx: LoopContext, guard: StepGuard) -> None:
+def _roll_back(model, state: TrainState, ctx: LoopContext, guard: StepGuard, bad_step: int) -> None:
     """Reload the newest intact checkpoint of this run (collective); Diverged when there is none."""
-    bad_step = state.step + 1
     before = state.state_dict()
     # Back to before the streak: checkpoints saved during it hold its first step's weights.
     to_step = ctx.checkpoints.rollback(model, ctx.optimizer, ctx.scheduler, state, at_most=guard.first_bad - 1)

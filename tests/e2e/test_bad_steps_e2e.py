@@ -94,15 +94,19 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.slow
-def test_bad_steps_on_one_rank_are_skipped_alike_then_rolled_back_and_never_saved(tmp_path, nan_env, monkeypatch):
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_bad_steps_on_one_rank_are_skipped_alike_then_rolled_back_and_never_saved(tmp_path, nan_env, monkeypatch,
+                                                                                   impl):
     """As mfsdp-train's ranks run it (helpers.train_ranks; every rank must exit 0): what is proven
-    happens in the ranks. The CLI's side (exit code 5, the console's lines) is the next test's."""
+    happens in the ranks. The CLI's side (exit code 5, the console's lines) is the next test's.
+    optim.impl=fused: torch's fused AdamW skips the bad steps on the device, FSDP2's DTensor
+    shards reading the loop's flag (rank/loop.defers_verdict)."""
     run = tmp_path / "run"
     monkeypatch.syspath_prepend(nan_env["PYTHONPATH"].split(os.pathsep)[0])  # the launcher's checks build it here
     # Rank 1's forward is NaN at step 2, then at steps 5, 6, 7: three in a row roll back to step 4.
     # Log rows only every 5 steps: the bad steps are not log steps (they used to be committed).
     out = train_ranks(*RUN, f"run.dir={run}", "train.steps=9", "train.log_interval=4", "checkpoint.interval=1",
-                      "checkpoint.keep_last=20", env={**nan_env, "NAN_CALLS": "2,5,6,7", "NAN_RANK": "1"})
+                      "checkpoint.keep_last=20", f"optim.impl={impl}", env={**nan_env, "NAN_CALLS": "2,5,6,7", "NAN_RANK": "1"})
     assert "step 2: loss nan, grad norm nan (non-finite loss on 1 rank(s)): skipped" in out, out
     assert "step 7: loss nan, grad norm nan (non-finite loss on 1 rank(s)): 3 bad steps in a row since step 5, " \
            "rolling back" in out
@@ -163,3 +167,24 @@ def test_bad_steps_after_the_last_rollback_stop_the_run_with_one_line_and_exit_c
     assert rows[2]["lr"] == rows[1]["lr"] * 0.5  # back at step 2's LR, halved
     for s in (2, 4):  # step 4's save held step 3's weights: intact and finite
         assert all(torch.isfinite(t).all() for t in weights(run, s).values())
+
+
+@pytest.mark.slow
+def test_verdicts_read_a_step_late_roll_back_as_the_host_verdicts_do(tmp_path, nan_env, monkeypatch):
+    """optim.impl=fused reads each step's verdict during the next step; train.spike_zscore (never
+    reached here) makes the loop read it before the optimizer step instead. Bad steps 5, 6, 7: the
+    third is judged while step 8 runs, which is dropped, and both runs roll back to step 4 alike."""
+    monkeypatch.syspath_prepend(nan_env["PYTHONPATH"].split(os.pathsep)[0])
+    outs, finals, rows = [], [], []
+    for name, extra in (("late", []), ("host", ["train.spike_zscore=1e9"])):
+        run = tmp_path / name
+        outs.append(train_ranks(*RUN, f"run.dir={run}", "train.steps=12", "train.log_interval=12",
+                                "checkpoint.interval=4", "checkpoint.keep_last=20", "optim.impl=fused", *extra,
+                                env={**nan_env, "NAN_CALLS": "5,6,7", "NAN_RANK": "1"}))
+        finals.append(weights(run, 12))
+        rows.append({k: v for k, v in train_rows(run)[12].items() if not k.endswith(("_s", "_per_gpu", "_gib"))})
+    for out in outs:
+        assert "step 7: loss nan, grad norm nan (non-finite loss on 1 rank(s)): 3 bad steps in a row since step 5, " \
+               "rolling back" in out and "rolled back to step 4 (rollback 1 of train.max_rollbacks=2)" in out, out
+    assert same(*finals)
+    assert rows[0] == rows[1] and (rows[0]["skipped_steps"], rows[0]["rollbacks"]) == (3, 1), rows

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import one_rank_group, read_metrics
-from mfsdp_launch.rank.loop import LoopContext, TrainState, train
+from mfsdp_launch.rank.loop import LoopContext, TrainState, defers_verdict, train
 from mfsdp_launch.components.metrics import MetricsWriter
 from mfsdp_launch.core.schema import EngineConfig, TrainConfig
 from mfsdp_launch.engines.base import Engine
@@ -51,10 +51,12 @@ def batch(seed: int) -> dict:
 
 
 def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, stop_at=None, nan_at=None,
-        with_state=False):
+        with_state=False, fused=False, spike_zscore=None):
+    """fused=True: torch's fused AdamW, which skips a bad step on the device, so the loop reads each
+    verdict a step late (rank/loop.defers_verdict) unless spike_zscore asks for the host's."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused or None)
     engine = PlainEngine(engine_cfg=EngineConfig(), sharding_cfg=None, precision_cfg=None, dims=None, mesh=None,
                          device=torch.device("cpu"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -68,11 +70,12 @@ def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, sto
                                                                                            "y": torch.zeros(8, 1)},
                       forward_context=contextlib.nullcontext,
                       device=torch.device("cpu"), world_size=1, dp_size=1, rank=1, peak_tflops=None,
-                      metrics=metrics, checkpoints=types.SimpleNamespace(maybe_save=lambda *a, **k: 0.0),
+                      metrics=metrics, checkpoints=types.SimpleNamespace(maybe_save=lambda *a, **k: 0.0, due=lambda *a, **k: False),
                       stop_requested=lambda step: step == stop_at,
                       val_batch=(lambda i: batch(1000 + i)) if validate else None)
     cfg = TrainConfig(steps=steps, grad_accum_steps=1, micro_batch_size=8, log_interval=log_interval,
-                      grad_clip=None, val_interval=val_interval, val_steps=2, progress=False)
+                      grad_clip=1.0, val_interval=val_interval, val_steps=2, progress=False, spike_zscore=spike_zscore)
+    assert defers_verdict(ctx, cfg) == (fused and spike_zscore is None)
     state = train(model, cfg, TrainState(), ctx)
     metrics.close()
     rows = read_metrics(tmp_path)
@@ -100,11 +103,13 @@ def test_a_final_validation_but_none_when_stopping_early(tmp_path):
     assert [r["step"] for r in stopped if "val_loss" in r] == [2]  # the stop at step 4 skips validation
 
 
-def test_a_non_finite_step_is_skipped_weights_optimizer_and_schedule_unchanged(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["host_verdict", "device_skip"])
+def test_a_non_finite_step_is_skipped_weights_optimizer_and_schedule_unchanged(tmp_path, fused):
     # step 4 trains on batch 3, all NaN: skipped, so the run equals one that stopped after step 3
     rows, params, state, opt, sched = run(tmp_path / "nan", steps=4, log_interval=1, val_interval=3, nan_at=3,
-                                          with_state=True)
-    _, ref, _, ref_opt, ref_sched = run(tmp_path / "ref", steps=3, log_interval=1, val_interval=3, with_state=True)
+                                          with_state=True, fused=fused)
+    _, ref, _, ref_opt, ref_sched = run(tmp_path / "ref", steps=3, log_interval=1, val_interval=3, with_state=True,
+                                        fused=fused)
     assert all(torch.equal(a, b) for a, b in zip(params, ref))
     assert sched.last_epoch == ref_sched.last_epoch == 3 and opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
     for p, q in zip(opt.state.values(), ref_opt.state.values()):
@@ -114,6 +119,24 @@ def test_a_non_finite_step_is_skipped_weights_optimizer_and_schedule_unchanged(t
     assert row["skipped_steps"] == 1 and row["bad_steps"] == 1 and row["loss"] != row["loss"]  # nan: none applied
     assert state.step == 4 and state.skipped_steps == 1 and state.consumed_samples == 4 * 8
     # the run goes on after it: the streak ends at the next good step
-    more, after = run(tmp_path / "on", steps=6, log_interval=1, val_interval=3, nan_at=3)
+    more, after = run(tmp_path / "on", steps=6, log_interval=1, val_interval=3, nan_at=3, fused=fused)
     assert [r["bad_steps"] for r in more if "loss" in r] == [0, 0, 0, 1, 0, 0]
     assert all(torch.isfinite(p).all() for p in after)
+
+
+def test_a_verdict_read_a_step_late_trains_as_the_host_verdict_does(tmp_path):
+    # The same fused AdamW, verdicts read late (the device skips) or before each step (the host
+    # decides; spike_zscore needs it there): the same weights, optimizer state, schedule and rows.
+    # Log rows every 4 steps: the bad step 5 (batch 4) is judged during step 6.
+    late = run(tmp_path / "late", steps=9, log_interval=4, val_interval=0, validate=False, nan_at=4,
+               with_state=True, fused=True)
+    host = run(tmp_path / "host", steps=9, log_interval=4, val_interval=0, validate=False, nan_at=4,
+               with_state=True, fused=True, spike_zscore=1e9)
+    (rows, params, state, opt, sched), (ref_rows, ref, ref_state, ref_opt, ref_sched) = late, host
+    assert all(torch.equal(a, b) for a, b in zip(params, ref))
+    for p, q in zip(opt.state.values(), ref_opt.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert sched.last_epoch == ref_sched.last_epoch == 8 and state == ref_state and state.skipped_steps == 1
+    keys = ("step", "loss", "lr", "grad_norm", "bad_steps", "skipped_steps")
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in ref_rows]
+    assert [r["step"] for r in rows] == [4, 8, 9] and rows[1]["skipped_steps"] == 1
