@@ -4,7 +4,8 @@ checkpoint; after `train.max_rollbacks` rollbacks the run stops (exit_codes.DIVE
 
 The loop asks `judge(step, check)` after every step's backward, before the optimizer step, with
 the engine's `check_step` result, which is the same on every rank (one all-reduce), so every rank
-decides alike:
+decides alike; where the optimizer skips a bad step on the device by itself (torch's fused AdamW,
+rank/loop.defers_verdict) it asks during the next step instead, with the same outcome:
 
     OK        apply the update
     SKIP      no optimizer step and no LR-schedule step (weights, optimizer state and schedule as
