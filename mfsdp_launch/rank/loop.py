@@ -130,6 +130,17 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
         timer.lap()
         window = _Window()
 
+    def settle_pending() -> bool:
+        """Judge the deferred step, whose update the device already applied or skipped; True when
+        that rolled the run back (any gradients of the step since are dropped with it)."""
+        nonlocal pending
+        (late_step, late), pending = pending, None
+        if settle(late_step, late.result(), applied=True) != ROLLBACK:
+            return False
+        ctx.optimizer.zero_grad(set_to_none=True)
+        roll_back(late_step)
+        return True
+
     try:
         while state.step < train_cfg.steps:
             if ctx.profiler is not None:
@@ -153,12 +164,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
             # Before the optimizer step, on every rank alike: a non-finite loss or gradient norm
             # (or a spike) is skipped, and too many in a row roll back (rank/step_guard.py).
             check = ctx.engine.check_step(model, train_cfg.grad_clip, step_loss, defer=defer)
-            if pending is not None:  # the previous step, judged now that this one's work is queued
-                (late_step, late), pending = pending, None
-                if settle(late_step, late.result(), applied=True) == ROLLBACK:
-                    ctx.optimizer.zero_grad(set_to_none=True)  # this step's gradients go too
-                    roll_back(late_step)
-                    continue
+            if pending is not None and settle_pending():  # the previous step, now that this one's work is queued
+                continue
             verdict = OK
             if defer:
                 arm_device_skip(ctx.optimizer, check.bad)
@@ -186,11 +193,10 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
             logging = state.step % train_cfg.log_interval == 0 or last or stop
             # the host's time since the last row, before anything waits for the device
             straggle = ctx.stragglers.check(window.steps) if logging and ctx.stragglers else {}
-            if pending is not None and (logging or validating or ctx.checkpoints.due(state.step, final=last, force=stop)):
-                # what follows reads the verdict (the row, the saved counters and schedule): now
-                (late_step, late), pending = pending, None
-                if settle(late_step, late.result(), applied=True) == ROLLBACK:
-                    roll_back(late_step)
+            # what follows reads the verdict (the row, the saved counters and schedule): judged now
+            if pending is not None and (logging or validating
+                                        or ctx.checkpoints.due(state.step, final=last, force=stop)):
+                if settle_pending():
                     continue
             val_row = None
             if validating:

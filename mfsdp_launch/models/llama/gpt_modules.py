@@ -86,7 +86,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if x.is_cuda and not torch.compiler.is_compiling():  # (Dynamo folds the test: it traces plain_rope)
         from . import rope_kernel  # (Triton: imported only where a GPU runs the step)
 
-        if rope_kernel.applies(x, cos) and sin.shape == cos.shape and sin.is_contiguous():
+        if rope_kernel.applies(x, cos, sin):
             return rope_kernel.fused_rope(x, cos, sin)
     return plain_rope(x, cos, sin)
 

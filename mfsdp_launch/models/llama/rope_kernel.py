@@ -68,12 +68,13 @@ class _Rope(torch.autograd.Function):
         return rotate(grad.contiguous() if grad.stride(-1) != 1 else grad, cos, sin, -1), None, None
 
 
-def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether the kernel takes this call: a 16-bit x, one fp32 table row per position, an even
-    head dim (apply_rope asks only on CUDA and outside a torch.compile trace)."""
+def applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the kernel takes this call: a 16-bit x, one fp32 row of each table per position
+    (both alike), an even head dim (apply_rope asks only on CUDA and outside a torch.compile trace)."""
     return (x.dim() == 4 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
             and x.shape[-1] % 2 == 0 and cos.dtype == torch.float32 and cos.dim() == 2
-            and cos.shape == (x.shape[2], x.shape[3]) and cos.is_contiguous())
+            and cos.shape == (x.shape[2], x.shape[3]) and cos.is_contiguous()
+            and sin.dtype == cos.dtype and sin.shape == cos.shape and sin.is_contiguous())
 
 
 def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,9 @@ _SCRIPT = textwrap.dedent("""
         yr.backward(g)
         ulp = lambda a, b: ((a.float() - b.float()).abs() / b.float().abs().clamp(min=1e-2)).max().item()
         out[str(dt)] = dict(fwd=ulp(y, yr), bwd=ulp(x.grad, xr.grad), layout=list(y.stride()) == list(x.stride()))
-    out["applies"] = [rope_kernel.applies(base.bfloat16().transpose(1, 2), cos),
-                      rope_kernel.applies(base.transpose(1, 2), cos),             # fp32 x
-                      rope_kernel.applies(base.bfloat16().transpose(1, 2), cos[:1])]  # a broadcast row
+    out["applies"] = [rope_kernel.applies(base.bfloat16().transpose(1, 2), cos, sin),
+                      rope_kernel.applies(base.transpose(1, 2), cos, sin),             # fp32 x
+                      rope_kernel.applies(base.bfloat16().transpose(1, 2), cos[:1], sin[:1])]  # a broadcast row
     print(json.dumps(out))
 """)
 
