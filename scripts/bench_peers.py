@@ -239,13 +239,21 @@ def with_profile(e: dict, step: int) -> dict:
     return e
 
 
+TT_RUNS = Path("/tmp/ttrun")  # torchtitan's working folder, as the kit's run.sh has it
+
+
+def tt_dump(e: dict) -> Path:
+    """Where torchtitan writes a run of `e` (its TT_DUMP: traces, config), one folder per log."""
+    return TT_RUNS / Path(e["log"]).stem
+
+
 def trace_of(e: dict, logs: Path, step: int) -> Optional[Path]:
     """The rank-0 chrome trace of step `step` that a profiled run of `e` wrote, if any (torchtitan
     traces every profile_freq-th step: profiling/traces/iteration_N/rank0_trace.json.gz)."""
     if e["kind"] == "launcher":
         found = sorted((logs / e["name"] / "profile").glob("trace_rank0.json*"))
     else:
-        found = sorted(Path(f"/tmp/ttrun/{Path(e['log']).stem}").glob(f"**/iteration_{step}/rank0_trace.json*"))
+        found = sorted(tt_dump(e).glob(f"**/iteration_{step}/rank0_trace.json*"))
     return found[0] if found else None
 
 
@@ -299,11 +307,11 @@ def run_peer(e: dict, kit: Path, logs: Path, timeout: int) -> dict:
     else:
         install, cmd = commands(e, kit, logs, 0)
         env["PYTHONPATH"] = f"/tmp/ttsite:{kit}:{ROOT / 'bench' / 'peers'}"  # (our torchtitan config modules)
-        env["TT_DUMP"] = f"/tmp/ttrun/{Path(e['log']).stem}"
-        Path("/tmp/ttrun").mkdir(exist_ok=True)
+        env["TT_DUMP"] = str(tt_dump(e))
+        TT_RUNS.mkdir(exist_ok=True)
         subprocess.run(install, env=env, check=True)
         with open(log_path, "w") as f:
-            rc = run_group(cmd, timeout, cwd="/tmp/ttrun", env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+            rc = run_group(cmd, timeout, cwd=TT_RUNS, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
             f.flush()
             f.write(f"rc={rc} wall_s={time.time() - t0:.0f} flags: {' '.join(e['flags'])}\n")
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
