@@ -41,6 +41,19 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (1024**3 if sys.platform == "darwin" else 1024**2)
 
 
+def host_values(row: dict) -> dict:
+    """`row` with its tensors read to the host: 0-d ones as floats, 1-d ones (a figure per layer)
+    as lists to 4 places. A model's per-step metrics stay on the device until a log step needs
+    them (one wait, then)."""
+
+    def host(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.item() if v.dim() == 0 else [round(x, 4) for x in v.tolist()]
+
+    return {k: host(v) for k, v in row.items()}
+
+
 class MetricsWriter:
     """Rank 0 writes metrics.jsonl, prints log lines and (optionally) TensorBoard scalars and
     W&B / MLflow rows (`logging_cfg`: the config's `logging` section; see trackers). `run_dir` may

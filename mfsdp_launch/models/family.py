@@ -81,9 +81,10 @@ class ModelSpec:
     num_params: int
     flops_per_token: float  # per sample for toys
     vocab_size: Optional[int] = None
-    # Mixture-of-experts models: (model, applied) -> metrics, after every step's optimizer decision
-    # on every rank (a collective; models/llama/moe_stats.py). None: nothing to do.
-    after_step: Optional[Callable[["nn.Module", bool], dict]] = None
+    # Mixture-of-experts models: (model, applied) -> metrics (device tensors), after every step's
+    # optimizer decision on every rank (a collective; models/llama/moe_stats.py). `applied`: a bool,
+    # or a 0-d device flag (1.0: applied) when the verdict is read late. None: nothing to do.
+    after_step: Optional[Callable[["nn.Module", object], dict]] = None
     peft_line: str = ""  # what trains, when model.peft adapted the built model (models/lora.py: adapt)
 
 

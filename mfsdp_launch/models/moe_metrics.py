@@ -5,7 +5,7 @@ Torch-free at import."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -29,8 +29,9 @@ def sum_over_ranks(stats: "torch.Tensor") -> "torch.Tensor":
     return stats
 
 
-def load_max(loads: "torch.Tensor") -> List[float]:
+def load_max(loads: "torch.Tensor") -> "torch.Tensor":
     """`moe_load_max`: per MoE layer (a row of `loads` [layers, experts], tokens per expert), max /
-    mean tokens per expert; 1.0 is balanced."""
+    mean tokens per expert; 1.0 is balanced. On the device: the loop reads it at log steps only
+    (components/metrics.host_values), so no step waits for it."""
     mean = loads.mean(dim=1).clamp(min=1e-9)
-    return [round(v, 4) for v in (loads.max(dim=1).values / mean).tolist()]
+    return loads.max(dim=1).values / mean

@@ -17,7 +17,8 @@ from .progress import RankProgress
 from .step_guard import OK, ROLLBACK, Diverged, StepGuard
 from .token_weights import distinct_targets, step_weights, target_count, weighted_mean
 from ..components.optim import arm_device_skip, skips_on_device
-from ..components.metrics import MetricsWriter, StepTimer, alloc_retries, peak_memory_gib, peak_reserved_gib
+from ..components.metrics import (MetricsWriter, StepTimer, alloc_retries, host_values, peak_memory_gib,
+                                  peak_reserved_gib)
 from ..core.mfu import mfu
 
 
@@ -90,10 +91,9 @@ def defers_verdict(ctx: LoopContext, train_cfg) -> bool:
     waits for the device before the optimizer step and the next forward (a forward whose kernels
     launch slower than they run would otherwise leave the GPU idle every step): when the optimizer
     skips a bad step on the device by itself, and nothing must act on the verdict before the next
-    step: no spike judging (the host's statistics), no model hook taking it (MoE's bias update),
-    no captured CUDA-graph step."""
-    return (skips_on_device(ctx.optimizer, ctx.device) and train_cfg.spike_zscore is None
-            and getattr(ctx.spec, "after_step", None) is None and ctx.step_fn is None)
+    step: no spike judging (the host's statistics), no captured CUDA-graph step. A model's
+    after_step (MoE) takes the device flag instead of the verdict."""
+    return skips_on_device(ctx.optimizer, ctx.device) and train_cfg.spike_zscore is None and ctx.step_fn is None
 
 
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
@@ -138,6 +138,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
         if settle(late_step, late.result(), applied=True) != ROLLBACK:
             return False
         ctx.optimizer.zero_grad(set_to_none=True)
+        if getattr(ctx.spec, "after_step", None) is not None:  # the dropped step's expert loads, cleared
+            ctx.spec.after_step(model, False)
         roll_back(late_step)
         return True
 
@@ -176,7 +178,7 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
             ctx.optimizer.zero_grad(set_to_none=ctx.step_fn is None)
             after_step = getattr(ctx.spec, "after_step", None)
             if after_step is not None:  # MoE: expert loads, the router's bias (a collective)
-                model_row = after_step(model, verdict == OK)
+                model_row = after_step(model, 1.0 - check.bad if defer else verdict == OK)
             if verdict == ROLLBACK:
                 roll_back(state.step + 1)
                 continue
@@ -210,7 +212,7 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                     distinct_targets(window.targets.item(), ctx.token_copies) / window.steps
                     if window.targets is not None else tokens_per_step)
                 row.update(bad_steps=guard.streak, skipped_steps=state.skipped_steps, rollbacks=state.rollbacks)
-                row.update(model_row)
+                row.update(host_values(model_row))
                 window = _Window()
                 if progress is not None:
                     progress.log(row)

@@ -76,6 +76,7 @@ def _pretrained_case(cls: str, out: str) -> None:
     import transformers
     from _harness import fit_one_batch
 
+    from mfsdp_launch.components.metrics import host_values
     from mfsdp_launch.planner import prepare
     from mfsdp_launch.rank.runtime import build_training, init_runtime
 
@@ -92,7 +93,7 @@ def _pretrained_case(cls: str, out: str) -> None:
     want = saved.state_dict()
     mismatched = [k for k, v in state.items() if k.rsplit("module.", 1)[-1] in want and not torch.equal(
         (v.full_tensor() if hasattr(v, "full_tensor") else v).float().cpu(), want[k.rsplit("module.", 1)[-1]].float())]
-    losses, metrics = fit_one_batch(tr, rt.device, each_step=lambda: tr.spec.after_step(tr.model, True))
+    losses, metrics = fit_one_batch(tr, rt.device, each_step=lambda: host_values(tr.spec.after_step(tr.model, True)))
     Path(out).write_text(json.dumps({"losses": losses, "mismatched": mismatched, "metrics": metrics,
                                      "compared": sum(k.rsplit("module.", 1)[-1] in want for k in state)}))
 

@@ -108,6 +108,7 @@ def _case(case: str, out: str) -> None:
     from _harness import expert_groups, fit_one_batch
 
     from mfsdp_launch.models.llama import moe, moe_fp8
+    from mfsdp_launch.components.metrics import host_values
     from mfsdp_launch.planner import prepare
     from mfsdp_launch.rank.runtime import build_training, init_runtime
 
@@ -127,7 +128,7 @@ def _case(case: str, out: str) -> None:
     setattr(owner, name, counted)  # counts the grouped-GEMM calls; the kernel itself runs
     experts = [p for m in tr.model.modules() if getattr(m, "is_expert_module", False) for p in m.parameters()]
     groups, expert_group = expert_groups(tr.model)
-    losses, row = fit_one_batch(tr, rt.device, each_step=lambda: tr.spec.after_step(tr.model, True))
+    losses, row = fit_one_batch(tr, rt.device, each_step=lambda: host_values(tr.spec.after_step(tr.model, True)))
     state = tr.engine.state_dict(tr.model, tr.optimizer)["model"]
     shapes = {k: list(v.shape) for k, v in state.items() if "experts" in k}
     dcp.save({"model": state}, checkpoint_id=os.path.join(out + ".ckpt"))

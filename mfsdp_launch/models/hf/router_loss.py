@@ -10,12 +10,13 @@ transformers' own loss has. `coef` is the config's `router_aux_loss_coef` when i
 `output_router_logits` (transformers adds the loss only then), else 0: the metrics alone.
 `after_step` (every step, on every rank: one all-reduce) returns `moe_aux_loss` (that loss over
 top_k, averaged over the step's micro-batches: 1.0 is balanced, as for the built-in MoE) and
-`moe_load_max` (per MoE layer, max / mean tokens per expert; 1.0 is balanced).
+`moe_load_max` (per MoE layer, max / mean tokens per expert; 1.0 is balanced), as device tensors
+read at log steps only (components/metrics.host_values).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Union
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +78,9 @@ def with_router_loss(base: Callable, coef: float) -> Callable:
     return loss
 
 
-def after_step(model: torch.nn.Module, applied: bool) -> Dict[str, object]:
-    """The step's balancing loss and global expert loads; clears them. Collective."""
+def after_step(model: torch.nn.Module, applied: Union[bool, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The step's balancing loss and global expert loads; clears them. Collective. `applied`
+    (a bool, or a device flag): unused, nothing here depends on the verdict."""
     n_layers = len(routers(model))
     if not n_layers:
         return {}
@@ -87,11 +89,12 @@ def after_step(model: torch.nn.Module, applied: bool) -> Dict[str, object]:
     experts = routers(model)[0].weight.shape[0]
     if stats:
         loads = torch.stack(stats["loads"]).sum(0).float()  # [micro-batches, layers, E] -> [layers, E]
-        aux = torch.stack([torch.stack(stats["aux"]).sum(), torch.tensor(float(len(stats["aux"])),
-                                                                         device=loads.device)])
+        # a fill, not torch.tensor(n, device=...): a host-to-device copy waits for the stream
+        aux = torch.stack([torch.stack(stats["aux"]).sum(), torch.full((), float(len(stats["aux"])),
+                                                                       device=loads.device)])
     else:  # no training forward this step on this rank: it still joins the reduction
         device = next(model.parameters()).device
         loads, aux = torch.zeros(n_layers, experts, device=device), torch.zeros(2, device=device)
     flat = sum_over_ranks(torch.cat([loads.flatten(), aux.to(torch.float32)]))
     loads, aux = flat[:-2].view(n_layers, experts), flat[-2:]
-    return {"moe_aux_loss": float(aux[0] / aux[1].clamp(min=1)), "moe_load_max": load_max(loads)}
+    return {"moe_aux_loss": aux[0] / aux[1].clamp(min=1), "moe_load_max": load_max(loads)}

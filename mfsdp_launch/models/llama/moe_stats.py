@@ -8,16 +8,19 @@ the loop does with it (the 1/grad_accum or per-token weights scale the aux gradi
 the aux loss goes to the metrics on its own.
 
 `after_step(model, applied)` (every step, on every rank alike: one all-reduce of the loads) sums
-each MoE layer's routed tokens per expert over all ranks, and returns the metrics
+each MoE layer's routed tokens per expert over all ranks, and returns the metrics, as device
+tensors (the host reads them at log steps only: components/metrics.host_values)
   moe_aux_loss      the mean load-balancing loss of the step's micro-batches (1.0: balanced)
   moe_load_max      per MoE layer, max / mean tokens per expert (1.0: balanced)
 For router=sigmoid it then moves each expert's bias by bias_update_rate toward the mean load
-(sign of mean - load; DeepSeek-V3), on applied steps only, identically on every rank.
+(sign of mean - load; DeepSeek-V3), on applied steps only, identically on every rank. `applied`
+is a bool, or a 0-d device flag (1.0: applied) when the loop reads the step's verdict late
+(rank/loop.defers_verdict): the bias then moves by rate x flag, nothing waiting for the host.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Union
 
 import torch
 
@@ -48,7 +51,7 @@ def moe_loss(base: Callable) -> Callable:
     return loss
 
 
-def after_step(model, applied: bool) -> Dict[str, object]:
+def after_step(model, applied: Union[bool, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Global expert loads of the step just taken, the balancing bias moved (router=sigmoid,
     applied steps), this step's accumulators cleared. Collective (every rank, every step)."""
     layers = _layers(model)
@@ -63,9 +66,11 @@ def after_step(model, applied: bool) -> Dict[str, object]:
     with torch.no_grad():
         for layer, r, load in zip(layers, routers, loads):
             rate = layer.cfg.bias_update_rate
-            if applied and r.kind == "sigmoid" and rate > 0 and load.sum() > 0:
-                r.expert_bias += rate * torch.sign(load.mean() - load)
+            if applied is not False and r.kind == "sigmoid" and rate > 0:
+                # no tokens routed: every sign is 0, the bias stays; a skipped step: x 0.0
+                move = rate * torch.sign(load.mean() - load)
+                r.expert_bias += move if applied is True else move * applied
             r.load.zero_()
             r.aux_sum.zero_()
     counted = aux[:, 1].clamp(min=1)
-    return {"moe_aux_loss": float((aux[:, 0] / counted).mean()), "moe_load_max": load_max(loads)}
+    return {"moe_aux_loss": (aux[:, 0] / counted).mean(), "moe_load_max": load_max(loads)}

@@ -114,6 +114,7 @@ def test_two_ranks_at_ep2_each_read_their_experts(tmp_path):
 def test_the_balancing_loss_is_transformers_own(cls):
     """With `output_router_logits` the loss gains transformers' balancing loss's gradient (its
     value stays the cross-entropy), and the metric is that loss over top_k."""
+    from mfsdp_launch.components.metrics import host_values
     from mfsdp_launch.models.hf.router_loss import after_step, attach, with_router_loss
 
     coef = 0.05
@@ -134,6 +135,6 @@ def test_the_balancing_loss_is_transformers_own(cls):
     ours = torch.autograd.grad(loss - out["hf"].logits.float().mean(), router.weight, retain_graph=True)[0]
     theirs = torch.autograd.grad(coef * out["hf"].aux_loss, router.weight)[0]
     assert ours.abs().max() > 0 and torch.allclose(ours, theirs, rtol=1e-5, atol=1e-8)
-    metrics = after_step(model, True)
+    metrics = host_values(after_step(model, True))
     assert metrics["moe_aux_loss"] == pytest.approx(out["hf"].aux_loss.item() / config.num_experts_per_tok, rel=1e-5)
     assert len(metrics["moe_load_max"]) == len(model.model.layers) - (cls.startswith("Qwen3"))

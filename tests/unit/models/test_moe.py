@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import SMOKE, model_cfg, refused
+from mfsdp_launch.components.metrics import host_values
 from mfsdp_launch.models import family
 from mfsdp_launch.models.llama import dims as L
 from mfsdp_launch.models.llama.config import MoEConfig
@@ -93,7 +94,7 @@ def test_balancing_losses_metrics_and_the_sigmoid_bias():
     loss.backward()
     with_aux = routers[1].weight.grad.clone()
     load = routers[0].load.clone()
-    row = after_step(model, applied=True)
+    row = host_values(after_step(model, applied=True))
     assert row["moe_load_max"][0] == pytest.approx(float(load.max() / load.mean()), rel=1e-4)
     assert len(row["moe_load_max"]) == 2 and row["moe_aux_loss"] >= 1.0
     # the overloaded experts' bias went down by the rate, the others up
@@ -235,7 +236,7 @@ def test_activation_checkpointing_recomputes_a_moe_block_exactly_and_counts_it_o
             apply_activation_checkpointing(model, "full", 1)
         spec.loss(model, batch).backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        runs.append((grads, spec.after_step(model, True)))
+        runs.append((grads, host_values(spec.after_step(model, True))))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
 
 
@@ -266,7 +267,7 @@ def test_a_compiled_moe_breaks_only_where_shapes_or_state_need_eager_and_trains_
             loss.backward()
             losses.append(loss.item())
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        runs.append((losses, grads, spec.after_step(model, True)))
+        runs.append((losses, grads, host_values(spec.after_step(model, True))))
     (l0, g0, s0), (l1, g1, s1) = runs
     assert l0 == pytest.approx(l1, rel=1e-6) and torch.allclose(g0, g1, rtol=1e-5, atol=1e-7)
     assert s0 == s1 and s0["moe_load_max"], (s0, s1)

@@ -50,36 +50,62 @@ def batch(seed: int) -> dict:
     return {"x": x, "y": x.sum(-1, keepdim=True) + 0.1 * torch.randn(8, 1, generator=g)}
 
 
+def moe_model():
+    """The built-in tiny MoE gpt with the sigmoid router, whose bias moves on applied steps only
+    (models/llama/moe_stats.after_step), and its spec: a batch marked "nan" gives a NaN loss."""
+    from mfsdp_launch.models import family
+    from mfsdp_launch.models.llama.config import MoEConfig
+    from helpers import model_cfg
+
+    m = model_cfg("gpt", preset="tiny_moe", moe=MoEConfig(router="sigmoid", aux_loss_coef=0.01, bias_update_rate=0.01))
+    spec = family("gpt").spec(m, 16)
+    base = spec.loss
+    spec.loss = lambda model, b: base(model, b) * (float("nan") if b.get("nan") else 1.0)
+    return spec.build(), spec
+
+
+def token_batch(seed: int) -> dict:
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
 def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, stop_at=None, nan_at=None,
-        with_state=False, fused=False, spike_zscore=None):
+        with_state=False, fused=False, spike_zscore=None, moe=False):
     """fused=True: torch's fused AdamW, which skips a bad step on the device, so the loop reads each
-    verdict a step late (rank/loop.defers_verdict) unless spike_zscore asks for the host's."""
+    verdict a step late (rank/loop.defers_verdict) unless spike_zscore asks for the host's.
+    moe=True: the tiny MoE gpt (moe_model) on token batches instead of the regression MLP."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+    if moe:
+        model, spec = moe_model()
+        make = token_batch
+        bad = {**token_batch(nan_at or 0), "nan": True}
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+        spec = types.SimpleNamespace(loss=lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]),
+                                     tokens_per_sample=1, flops_per_token=None)
+        make = batch
+        bad = {"x": torch.full((8, 4), float("nan")), "y": torch.zeros(8, 1)}
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused or None)
     engine = PlainEngine(engine_cfg=EngineConfig(), sharding_cfg=None, precision_cfg=None, dims=None, mesh=None,
                          device=torch.device("cpu"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    spec = types.SimpleNamespace(loss=lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]),
-                                 tokens_per_sample=1, flops_per_token=None)
     tmp_path.mkdir()
     metrics = MetricsWriter(tmp_path, enabled=True)
     ctx = LoopContext(engine=engine, spec=spec, optimizer=opt,
                       scheduler=scheduler,
-                      next_batch=lambda step, micro: batch(step) if step != nan_at else {"x": torch.full((8, 4), float("nan")),
-                                                                                           "y": torch.zeros(8, 1)},
+                      next_batch=lambda step, micro: make(step) if step != nan_at else bad,
                       forward_context=contextlib.nullcontext,
                       device=torch.device("cpu"), world_size=1, dp_size=1, rank=1, peak_tflops=None,
                       metrics=metrics, checkpoints=types.SimpleNamespace(maybe_save=lambda *a, **k: 0.0, due=lambda *a, **k: False),
                       stop_requested=lambda step: step == stop_at,
-                      val_batch=(lambda i: batch(1000 + i)) if validate else None)
+                      val_batch=(lambda i: make(1000 + i)) if validate else None)
     cfg = TrainConfig(steps=steps, grad_accum_steps=1, micro_batch_size=8, log_interval=log_interval,
                       grad_clip=1.0, val_interval=val_interval, val_steps=2, progress=False, spike_zscore=spike_zscore)
     assert defers_verdict(ctx, cfg) == (fused and spike_zscore is None)
     state = train(model, cfg, TrainState(), ctx)
     metrics.close()
     rows = read_metrics(tmp_path)
-    params = [p.detach().clone() for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
     if with_state:
         return rows, params, state, opt, scheduler
     return rows, params
@@ -140,3 +166,19 @@ def test_a_verdict_read_a_step_late_trains_as_the_host_verdict_does(tmp_path):
     keys = ("step", "loss", "lr", "grad_norm", "bad_steps", "skipped_steps")
     assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in ref_rows]
     assert [r["step"] for r in rows] == [4, 8, 9] and rows[1]["skipped_steps"] == 1
+
+
+def test_a_moe_step_read_late_moves_the_router_bias_as_the_host_verdict_does(tmp_path):
+    # The MoE's after_step takes the device flag when the verdict is read late: the skipped step 5
+    # (batch 4) moves no expert bias, and the weights, biases and each row's expert metrics equal
+    # those of host verdicts.
+    runs = [run(tmp_path / name, steps=7, log_interval=3, val_interval=0, validate=False, nan_at=4, fused=True,
+                spike_zscore=z, moe=True) for name, z in (("late", None), ("host", 1e9))]
+    (rows, params), (ref_rows, ref) = runs
+    assert len(params) == len(ref) and all(torch.equal(a, b) for a, b in zip(params, ref))
+    keys = ("step", "loss", "grad_norm", "skipped_steps", "moe_aux_loss", "moe_load_max")
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in ref_rows]
+    assert [r["step"] for r in rows] == [3, 6, 7] and rows[1]["skipped_steps"] == 1
+    assert len(rows[0]["moe_load_max"]) == 2 and rows[0]["moe_aux_loss"] > 0.5
+    buffers = params[len(list(moe_model()[0].parameters())):]  # run() puts the buffers last
+    assert any(b.abs().sum() > 0 for b in buffers)  # the bias did move on the applied steps
