@@ -229,6 +229,13 @@ def commands(e: dict, kit: Path, logs: Path, launcher_steps: int) -> List[List[s
              *launcher_overrides(e, launcher_steps, logs / e["name"], e["world"])]]
 
 
+def row_name(short: str, round_: int, a) -> str:
+    """The results row of entry `short` in round `round_`: a profiled run's name ends in _prof, so
+    its slower tokens/s never replaces the unprofiled row of the same entry in bench/results.json."""
+    name = ENTRIES[short]["name"] + (f"_round{round_}" if a.rounds > 1 else "")
+    return name + ("_prof" if a.profile else "") + a.tag
+
+
 def with_profile(e: dict, step: int) -> dict:
     """`e` with one step (`step`, >= 4) traced by torch.profiler: torchtitan's profiler flags (it
     warms up 3 steps, then records 1), the launcher's train.profile. run.sh modes stay as they are."""
@@ -416,7 +423,7 @@ def run_plan(plan, kit: Path, logs: Path, a) -> int:
     rows: Dict[str, dict] = {}
     with open(logs / "launcher.log", "a") as log:
         for r, n, world in plan:
-            e = dict(ENTRIES[n], world=world, name=ENTRIES[n]["name"] + (f"_round{r}" if a.rounds > 1 else "") + a.tag)
+            e = dict(ENTRIES[n], world=world, name=row_name(n, r, a))
             e = with_profile(e, a.profile) if a.profile else e
             if e["kind"] == "launcher":
                 row = run_ours(e, a.steps, logs, log, world=world, timeout=a.timeout + 120)

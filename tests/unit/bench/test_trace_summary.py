@@ -64,3 +64,13 @@ def test_a_profiled_launcher_entry_traces_one_step_and_its_table_is_written(tmp_
     trace.write_text(json.dumps({"traceEvents": EVENTS}))
     out = bp.write_profile(e, tmp_path, 20)
     assert out and "grouped GEMM" in open(out).read()
+
+
+def test_a_profiled_row_is_named_apart_from_the_unprofiled_one():
+    import argparse
+
+    plain, traced = (argparse.Namespace(rounds=1, tag="", profile=p) for p in (0, 20))
+    assert bp.row_name("mfsdp_compile", 1, plain) == "peers_mfsdp_gpt_1.4b_bf16_mbs4_compile"
+    assert bp.row_name("mfsdp_compile", 1, traced) == "peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_prof"
+    assert bp.row_name("mfsdp_compile", 2, argparse.Namespace(rounds=2, tag="_b", profile=20)) == \
+        "peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_round2_prof_b"
