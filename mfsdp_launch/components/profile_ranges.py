@@ -54,8 +54,19 @@ def profiled(name: str, x: "torch.Tensor", run: Callable[["torch.Tensor"], "torc
     return y
 
 
+# Events that carry device time but are no GPU work: CUPTI's record of the host waiting on a full
+# launch queue is timed as device time (in a launch-bound eager step it exceeds the step's kernels).
+NOT_GPU_WORK = ("Command Buffer Full",)
+
+
 def _time(evt, on_gpu: bool) -> float:
-    return evt.device_time_total if on_gpu else evt.cpu_time_total
+    """`evt`'s time with its children's: on the GPU, the device time of its own kernels and theirs,
+    without NOT_GPU_WORK events anywhere below it."""
+    if not on_gpu:
+        return evt.cpu_time_total
+    if evt.name in NOT_GPU_WORK:
+        return 0.0
+    return evt.self_device_time_total + sum(_time(c, True) for c in evt.cpu_children)
 
 
 def _inner_time(evt, ops: Sequence[str], on_gpu: bool) -> float:
@@ -74,7 +85,8 @@ def share_line(events: Iterable, name: str, ops: Sequence[str], on_gpu: bool, wh
     if not ranges:
         return None
     unit = "GPU" if on_gpu else "CPU"
-    whole = sum((e.self_device_time_total if on_gpu else e.self_cpu_time_total) for e in events)
+    whole = sum((e.self_device_time_total if on_gpu else e.self_cpu_time_total) for e in events
+                if not (on_gpu and e.name in NOT_GPU_WORK))
     part = sum(_time(e, on_gpu) for e in ranges)
     inner = sum(_inner_time(e, ops, on_gpu) for e in ranges)
     share = f"{100 * inner / part:.1f} %" if part else "n/a"

@@ -46,6 +46,26 @@ def test_a_moe_gpt_reports_its_layers_time_and_the_gemms_share():
     assert pr.share_line(prof.events(), "nothing", ("aten::mm",), False, "x") is None
 
 
+def test_the_gpu_share_leaves_out_the_hosts_waits_on_a_full_launch_queue():
+    # A GPU trace's event tree, in the attributes torch.profiler's FunctionEvent has: CUPTI's
+    # "Command Buffer Full" records carry device time (the host waiting to launch), no kernels.
+    import types
+
+    def event(name, self_us, *children):
+        return types.SimpleNamespace(name=name, self_device_time_total=self_us, cpu_children=list(children),
+                                     device_time_total=self_us + sum(c.device_time_total for c in children))
+
+    wait = event("Command Buffer Full", 900.0)
+    gemm = event("aten::_grouped_mm", 600.0)
+    layer = event(f"{pr.MOE}.forward", 100.0, gemm, event("aten::index_add_", 300.0, event("Command Buffer Full", 500.0)))
+    optimizer = event("aten::_fused_adamw_", 1000.0, wait)
+    events = [layer, gemm, layer.cpu_children[1], layer.cpu_children[1].cpu_children[0], optimizer, wait]
+    line = pr.share_line(events, pr.MOE, ("aten::_grouped_mm",), True, "MoE layers")
+    # the layer: 100 + 600 + 300 us of kernels; the steps: those and the optimizer's 1000 us
+    assert line == ("MoE layers: 1.0 ms of GPU time in 1 ranges (50.0 % of the profiled steps); "
+                    "aten::_grouped_mm: 0.6 ms, 60.0 % of it"), line
+
+
 @pytest.mark.slow
 def test_a_profiled_moe_run_writes_the_line(tmp_path):
     run = tmp_path / "r"
