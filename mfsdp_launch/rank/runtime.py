@@ -191,7 +191,17 @@ def _to_device(cfg, rt: Runtime, batch: dict) -> dict:
         from ..models.cp_layout import shard_sequence
 
         batch = {k: shard_sequence(v, 1, rt.cp_rank, rt.dims.cp) for k, v in batch.items()}
-    return {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
+    return copy_to_device(batch, rt.device)
+
+
+def copy_to_device(batch: dict, device: torch.device) -> dict:
+    """Host tensors queued onto the device behind the work in flight: on CUDA through pinned memory,
+    since a copy from pageable memory may wait for the stream (CUDA stages it through the driver's
+    buffer), which would empty the launch queue once a micro-batch."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: (v.pin_memory() if v.device.type == "cpu" else v).to(device, non_blocking=True)
+            for k, v in batch.items()}
 
 
 @dataclass

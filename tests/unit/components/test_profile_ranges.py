@@ -57,9 +57,10 @@ def test_the_gpu_share_leaves_out_the_hosts_waits_on_a_full_launch_queue():
 
     wait = event("Command Buffer Full", 900.0)
     gemm = event("aten::_grouped_mm", 600.0)
-    layer = event(f"{pr.MOE}.forward", 100.0, gemm, event("aten::index_add_", 300.0, event("Command Buffer Full", 500.0)))
+    scatter = event("aten::index_add_", 300.0, event("Command Buffer Full", 500.0))
+    layer = event(f"{pr.MOE}.forward", 100.0, gemm, scatter)
     optimizer = event("aten::_fused_adamw_", 1000.0, wait)
-    events = [layer, gemm, layer.cpu_children[1], layer.cpu_children[1].cpu_children[0], optimizer, wait]
+    events = [layer, gemm, scatter, scatter.cpu_children[0], optimizer, wait]
     line = pr.share_line(events, pr.MOE, ("aten::_grouped_mm",), True, "MoE layers")
     # the layer: 100 + 600 + 300 us of kernels; the steps: those and the optimizer's 1000 us
     assert line == ("MoE layers: 1.0 ms of GPU time in 1 ranges (50.0 % of the profiled steps); "
