@@ -1,6 +1,6 @@
 """The loop in one process (a 1-rank gloo group): when the validation hook runs, what it writes,
 and that training is the same with it; a non-finite step is skipped (weights, optimizer state and
-LR schedule as before it)."""
+LR schedule as before it), with its verdict read on the host or a step late, for an MoE too."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from helpers import one_rank_group, read_metrics
+from helpers import model_cfg, one_rank_group, read_metrics
 from mfsdp_launch.rank.loop import LoopContext, TrainState, defers_verdict, train
 from mfsdp_launch.components.metrics import MetricsWriter
 from mfsdp_launch.core.schema import EngineConfig, TrainConfig
@@ -55,7 +55,6 @@ def moe_model():
     (models/llama/moe_stats.after_step), and its spec: a batch marked "nan" gives a NaN loss."""
     from mfsdp_launch.models import family
     from mfsdp_launch.models.llama.config import MoEConfig
-    from helpers import model_cfg
 
     m = model_cfg("gpt", preset="tiny_moe", moe=MoEConfig(router="sigmoid", aux_loss_coef=0.01, bias_update_rate=0.01))
     spec = family("gpt").spec(m, 16)
@@ -105,7 +104,9 @@ def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, sto
     state = train(model, cfg, TrainState(), ctx)
     metrics.close()
     rows = read_metrics(tmp_path)
-    params = [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
+    # the MoE routers' biases last (moved by after_step on applied steps; none in the MLP)
+    params = [p.detach().clone() for p in model.parameters()]
+    params += [b.clone() for name, b in model.named_buffers() if name.endswith("expert_bias")]
     if with_state:
         return rows, params, state, opt, scheduler
     return rows, params
@@ -180,5 +181,5 @@ def test_a_moe_step_read_late_moves_the_router_bias_as_the_host_verdict_does(tmp
     assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in ref_rows]
     assert [r["step"] for r in rows] == [3, 6, 7] and rows[1]["skipped_steps"] == 1
     assert len(rows[0]["moe_load_max"]) == 2 and rows[0]["moe_aux_loss"] > 0.5
-    buffers = params[len(list(moe_model()[0].parameters())):]  # run() puts the buffers last
-    assert any(b.abs().sum() > 0 for b in buffers)  # the bias did move on the applied steps
+    biases = params[len(list(moe_model()[0].parameters())):]
+    assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # moved on the applied steps
