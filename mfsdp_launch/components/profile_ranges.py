@@ -1,6 +1,7 @@
 """Named ranges of a model part in train.profile's traces, forward and backward, and what share of
 that part's time some of its ops take: the MoE layers and their grouped GEMMs (issue 24's "grouped
-GEMM >= 60 % of the MoE layers' time"), read from the profiler's own event tree.
+GEMM >= 60 % of the MoE layers' time"), read from the profiler's own event tree, in which CUPTI's
+records of the host waiting to launch count no GPU time (NOT_GPU_WORK; the top-ops table drops them).
 
 A forward range is a record_function around the part. Its backward has no call to wrap: a hook on
 the part's output gradient opens the range (autograd is about to run the part's backward) and a
@@ -57,6 +58,19 @@ def profiled(name: str, x: "torch.Tensor", run: Callable[["torch.Tensor"], "torc
 # Events that carry device time but are no GPU work: CUPTI's record of the host waiting on a full
 # launch queue is timed as device time (in a launch-bound eager step it exceeds the step's kernels).
 NOT_GPU_WORK = ("Command Buffer Full",)
+
+
+def without_waits(averages):
+    """torch.profiler's key_averages() without NOT_GPU_WORK rows: the top-ops table's first row and
+    its percentages otherwise come from the host's waits (360 % of a step's kernels, seen on an H200)."""
+    from torch.autograd.profiler_util import EventList
+
+    kept = [a for a in averages if a.key not in NOT_GPU_WORK]
+    if len(kept) == len(averages):
+        return averages
+    return EventList(kept, use_device=getattr(averages, "_use_device", None),
+                     profile_memory=getattr(averages, "_profile_memory", False),
+                     with_flops=getattr(averages, "_with_flops", False))
 
 
 def _time(evt, on_gpu: bool) -> float:

@@ -94,7 +94,10 @@ class StepProfiler:
         what = "self device (GPU) time" if on_gpu else "self CPU time"
         head = (f"top {TOP_N} ops by {what}, steps {self.first}-{self.last}, rank {self.rank} "
                 f"(traces: {self.out}/trace_rank*.json.gz, open in chrome://tracing or Perfetto)")
-        return head + "\n" + self.prof.key_averages().table(sort_by=key, row_limit=TOP_N)
+        averages = self.prof.key_averages()
+        if on_gpu:
+            averages = profile_ranges.without_waits(averages)
+        return head + "\n" + averages.table(sort_by=key, row_limit=TOP_N)
 
 
 def build_profiler(train_cfg, run_dir: str, rank: int, device: "torch.device") -> Optional[StepProfiler]:

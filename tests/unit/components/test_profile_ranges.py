@@ -67,6 +67,17 @@ def test_the_gpu_share_leaves_out_the_hosts_waits_on_a_full_launch_queue():
                     "aten::_grouped_mm: 0.6 ms, 60.0 % of it"), line
 
 
+def test_the_top_ops_table_drops_the_waits_and_keeps_every_op():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    averages = prof.key_averages()
+    assert pr.without_waits(averages) is averages  # nothing to drop
+    averages[0].key = "Command Buffer Full"  # as CUPTI names the host's waits in a GPU trace
+    kept = pr.without_waits(averages)
+    assert [a.key for a in kept] == [a.key for a in averages[1:]]
+    assert "Command Buffer Full" not in kept.table(sort_by="self_cpu_time_total", row_limit=20)
+
+
 @pytest.mark.slow
 def test_a_profiled_moe_run_writes_the_line(tmp_path):
     run = tmp_path / "r"
