@@ -43,13 +43,15 @@ def peak_memory_gib(device: torch.device) -> float:
 
 def host_values(row: dict) -> dict:
     """`row` with its tensors read to the host: 0-d ones as floats, 1-d ones (a figure per layer)
-    as lists to 4 places. A model's per-step metrics stay on the device until a log step needs
-    them (one wait, then)."""
+    as lists to 4 places, others as nested lists. A model's per-step metrics stay on the device
+    until a log step needs them (one wait, then)."""
 
     def host(v):
         if not isinstance(v, torch.Tensor):
             return v
-        return v.item() if v.dim() == 0 else [round(x, 4) for x in v.tolist()]
+        if v.dim() == 1:
+            return [round(x, 4) for x in v.tolist()]
+        return v.item() if v.dim() == 0 else v.tolist()
 
     return {k: host(v) for k, v in row.items()}
 
