@@ -104,7 +104,8 @@ def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: P
         model_args = [f"model={e['model']}", f"model.preset={e['preset']}"]
     dp_outer, outer = e.get("outer", (1, "no_shard"))  # HSDP/HFSDP: (dp_outer, outer strategy)
     args = [
-        f"engine={e['engine']}", *model_args, "model.init_on_meta=true",
+        # meta-device init unless the entry says (Megatron-FSDP's no_shard refuses it)
+        f"engine={e['engine']}", *model_args, f"model.init_on_meta={str(e.get('init_on_meta', True)).lower()}",
         *data_args(e), f"train.steps={steps}", f"train.log_interval={log_interval}",
         f"train.seq_len={e['seq']}", f"train.micro_batch_size={e['mbs']}", "train.progress=false",
         "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "precision.main_grads_dtype=fp32",

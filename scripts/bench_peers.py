@@ -78,6 +78,12 @@ ENTRIES: Dict[str, dict] = {
                        parser="torchtitan", engine="torchtitan 0.3.0 FSDP2 + compile", **LLAMA),
     "mfsdp_compile": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile", kind="launcher", engine="megatron_fsdp",
                           extra=["train.compile=true"], **dict(LLAMA, model="gpt")),
+    # On one GPU torchtitan applies no FSDP (the plain model under bf16 autocast); Megatron-FSDP's
+    # ZeRO-0 (no_shard) is the like-for-like setting: no unshard/reshard hooks per block, each
+    # gradient copied once instead of zeroed and added into (call 8 of session 24: 6.5 ms of the
+    # 134.7 ms of kernels). Not measured yet.
+    "mfsdp_compile_z0": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_z0", kind="launcher", engine="megatron_fsdp",
+                             extra=["train.compile=true"], zero=0, init_on_meta=False, **dict(LLAMA, model="gpt")),
     # Our best settings against torchtitan's best (compile): twice the micro-batch fits easily (50 GiB).
     "mfsdp_compile_mbs8": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs8_compile", kind="launcher",
                                engine="megatron_fsdp", extra=["train.compile=true"], **dict(LLAMA, model="gpt", mbs=8)),
