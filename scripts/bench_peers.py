@@ -78,10 +78,10 @@ ENTRIES: Dict[str, dict] = {
                        parser="torchtitan", engine="torchtitan 0.3.0 FSDP2 + compile", **LLAMA),
     "mfsdp_compile": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile", kind="launcher", engine="megatron_fsdp",
                           extra=["train.compile=true"], **dict(LLAMA, model="gpt")),
-    # On one GPU torchtitan applies no FSDP (the plain model under bf16 autocast); Megatron-FSDP's
-    # ZeRO-0 (no_shard) is the like-for-like setting: no unshard/reshard hooks per block, each
-    # gradient copied once instead of zeroed and added into (call 8 of session 24: 6.5 ms of the
-    # 134.7 ms of kernels). Not measured yet.
+    # On one GPU nothing needs sharding (torchtitan 0.3.0 still applies FSDP2 at shard degree 1, for
+    # its mixed-precision policy). Megatron-FSDP's ZeRO-0 (no_shard) copies each reduced gradient
+    # into its buffer where ZeRO-3 zeroes the buffer and adds into it (session 24's call 8: 6.5 ms
+    # of the 134.7 ms of kernels). Not measured yet.
     "mfsdp_compile_z0": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_z0", kind="launcher", engine="megatron_fsdp",
                              extra=["train.compile=true"], zero=0, init_on_meta=False, **dict(LLAMA, model="gpt")),
     # Our best settings against torchtitan's best (compile): twice the micro-batch fits easily (50 GiB).
