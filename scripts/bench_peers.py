@@ -79,9 +79,9 @@ ENTRIES: Dict[str, dict] = {
     "mfsdp_compile": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile", kind="launcher", engine="megatron_fsdp",
                           extra=["train.compile=true"], **dict(LLAMA, model="gpt")),
     # On one GPU nothing needs sharding (torchtitan 0.3.0 still applies FSDP2 at shard degree 1, for
-    # its mixed-precision policy). Megatron-FSDP's ZeRO-0 (no_shard) copies each reduced gradient
-    # into its buffer where ZeRO-3 zeroes the buffer and adds into it (session 24's call 8: 6.5 ms
-    # of the 134.7 ms of kernels). Not measured yet.
+    # its mixed-precision policy). Megatron-FSDP's ZeRO-3 copies each gradient into a bucket,
+    # reduce-scatters it over the one rank and adds it into its buffer; ZeRO-0 (no_shard) adds it
+    # into the buffer directly and skips the per-block unshard/reshard. Not measured yet.
     "mfsdp_compile_z0": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_z0", kind="launcher", engine="megatron_fsdp",
                              extra=["train.compile=true"], zero=0, init_on_meta=False, **dict(LLAMA, model="gpt")),
     # Our best settings against torchtitan's best (compile): twice the micro-batch fits easily (50 GiB).
