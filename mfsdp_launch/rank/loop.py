@@ -110,6 +110,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     window = _Window()
     grad_norm = None
     model_row: dict = {}  # the model's own metrics of the last step (spec.after_step)
+    # MoE: expert loads and the router's bias after every step (a collective); None for the rest
+    after_step = getattr(ctx.spec, "after_step", None)
 
     def settle(step: int, check, applied: bool) -> str:
         """The guard's verdict on `step`; an OK step's optimizer step (unless `applied`: deferred,
@@ -138,8 +140,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
         if settle(late_step, late.result(), applied=True) != ROLLBACK:
             return False
         ctx.optimizer.zero_grad(set_to_none=True)
-        if getattr(ctx.spec, "after_step", None) is not None:  # the dropped step's expert loads, cleared
-            ctx.spec.after_step(model, False)
+        if after_step is not None:  # the dropped step's expert loads, cleared
+            after_step(model, False)
         roll_back(late_step)
         return True
 
@@ -176,8 +178,7 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
             else:
                 verdict = settle(state.step + 1, check, applied=False)
             ctx.optimizer.zero_grad(set_to_none=ctx.step_fn is None)
-            after_step = getattr(ctx.spec, "after_step", None)
-            if after_step is not None:  # MoE: expert loads, the router's bias (a collective)
+            if after_step is not None:
                 model_row = after_step(model, 1.0 - check.bad if defer else verdict == OK)
             if verdict == ROLLBACK:
                 roll_back(state.step + 1)
