@@ -180,7 +180,7 @@ SFT_DOCS = dict(mean=1024, std=512, low=16, high=4096, tokens=16_000_000)
 
 
 def sft_corpus(e: dict) -> Path:
-    vocab = hf_llama_config(e["preset"])["vocab_size"] if e["model"] == "hf" else 32000
+    vocab = hf_llama_config(e["preset"])["vocab_size"]  # (an HF_SHAPES name or a gpt preset)
     return Path(tempfile.gettempdir()) / f"bench-sft-corpus-v{vocab}"
 
 

@@ -11,12 +11,13 @@ Presets (exact counts from `param_count`, vocab 32000 untied unless noted):
 | 125m   | 768  | 12     | 12         | 2048  | 32000  | no   | 134,105,856   |
 | 350m   | 1024 | 24     | 16         | 2816  | 32000  | no   | 373,867,520   |
 | 760m   | 1536 | 24     | 16         | 4096  | 32000  | no   | 777,856,512   |
+| 1.2b   | 2048 | 16     | 32 (8)     | 8192  | 128256 | yes  | 1,235,814,400 |
 | 1.4b   | 2048 | 24     | 16         | 5632  | 32000  | no   | 1,364,297,728 |
 | 2b     | 4096 | 8      | 32         | 11008 | 32000  | no   | 1,881,214,976 |
 | 3b     | 3072 | 28     | 24 (8)     | 8192  | 128256 | yes  | 3,212,749,824 |
 | 8b     | 4096 | 32     | 32 (8)     | 14336 | 128256 | no   | 8,030,261,248 |
 
-`3b` is Llama-3.2-3B-like and `8b` Llama-3.1-8B-like (their rope_theta is 500000; ours comes from
+`1.2b` has Llama-3.2-1B's tensors, `3b` is Llama-3.2-3B-like and `8b` Llama-3.1-8B-like (their rope_theta is 500000; ours comes from
 `model.rope_theta`, default 10000).
 
 Mixture-of-experts presets (models/llama/moe_dims.py; "active" counts the router, top_k experts and
@@ -52,6 +53,9 @@ GPT_PRESETS: Dict[str, Dict[str, Any]] = {
     "125m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=False),
     "350m": dict(dim=1024, n_layers=24, n_heads=16, vocab_size=32000, tie_embeddings=False),
     "760m": dict(dim=1536, n_layers=24, n_heads=16, vocab_size=32000, tie_embeddings=False),
+    # Llama-3.2-1B's tensors (the packed-SFT benchmark's model, bench/matrix.yaml sft_packed).
+    "1.2b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                 vocab_size=128256, tie_embeddings=True),
     # The "GPT d=2048, 24 layers" of our benchmarks.
     "1.4b": dict(dim=2048, n_layers=24, n_heads=16, vocab_size=32000, tie_embeddings=False),
     # Wide and shallow: big GEMMs, the TE benchmark shape.

@@ -173,6 +173,9 @@ def test_named_presets_match_the_brief():
         4096, 32, 32, 8, 14336, 128256, False
     )
     assert param_count(gpt_cfg(preset="8b")) == 8_030_261_248  # Llama-3.1-8B
+    d = L.resolve_gpt_dims(gpt_cfg(preset="1.2b"))
+    assert (d.n_layers, d.n_heads, d.n_kv_heads, d.ffn_dim, d.tie_embeddings) == (16, 32, 8, 8192, True)
+    assert param_count(gpt_cfg(preset="1.2b")) == 1_235_814_400  # Llama-3.2-1B
 
 
 def test_overrides_and_ffn_rule():
