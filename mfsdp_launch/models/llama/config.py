@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ...core.choice import Choice
 from ...core.schema import LossKernel, ModelConfig
@@ -55,6 +55,10 @@ class GPTModelConfig(ModelConfig):
     qk_norm: Optional[bool] = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama-3.1/3.2 RoPE scaling: null (plain RoPE) or {rope_type: llama3, factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings} (models/llama/dims.py RopeScaling). A
+    # mapping, as HF writes it; null with init_from: its config.json's.
+    rope_scaling: Any = None
     loss_kernel: LossKernel = LossKernel.torch
     # Start from a Llama-layout HF directory (dims from its config.json).
     init_from: Optional[str] = None

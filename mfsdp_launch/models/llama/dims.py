@@ -18,7 +18,7 @@ Presets (exact counts from `param_count`, vocab 32000 untied unless noted):
 | 8b     | 4096 | 32     | 32 (8)     | 14336 | 128256 | no   | 8,030,261,248 |
 
 `1.2b` has Llama-3.2-1B's tensors, `3b` is Llama-3.2-3B-like and `8b` Llama-3.1-8B-like (their rope_theta is 500000; ours comes from
-`model.rope_theta`, default 10000).
+`model.rope_theta`, default 10000; their Llama-3 RoPE scaling from `model.rope_scaling`, default none).
 
 Mixture-of-experts presets (models/llama/moe_dims.py; "active" counts the router, top_k experts and
 the shared expert of each MoE layer, as FLOPs/token and MFU do):
@@ -76,6 +76,77 @@ GPT_PRESETS: Dict[str, Dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3's frequency-dependent RoPE scaling (HF rope_type "llama3"; Llama-3.1/3.2): past
+    `original_max_position_embeddings`, long wavelengths are slowed by `factor`, short ones kept,
+    the band between blended (gpt_modules.rope_inv_freq has the rule). Shapes do not change."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    rope_type = "llama3"  # (a class attribute: the one type there is)
+
+    def to_config(self) -> Dict[str, Any]:
+        """As `model.rope_scaling` and HF's `rope_scaling` write it."""
+        return {"rope_type": self.rope_type, **{k: getattr(self, k) for k in ROPE_SCALING_FIELDS}}
+
+    def describe(self) -> str:
+        return f"{self.rope_type}(" + ", ".join(f"{k}={getattr(self, k)}" for k in ROPE_SCALING_FIELDS) + ")"
+
+
+ROPE_TYPES = ("default", "llama3")
+ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_SCALING_SHAPE = "null, or {rope_type: llama3, " + ", ".join(ROPE_SCALING_FIELDS) + "}"
+
+
+def resolve_rope_scaling(value: Any, *, key: str = "model.rope_scaling", label: str = "",
+                         ignored: tuple = (), original_default: Optional[int] = None) -> Optional[RopeScaling]:
+    """RopeScaling of a `model.rope_scaling` mapping (or HF's: `label` names it in the message,
+    `ignored` its keys read elsewhere, `original_default` transformers' fallback for the old
+    context); None for null / rope_type default. Anything else is a ConfigError under `key`."""
+    if value is None:
+        return None
+    if not hasattr(value, "keys"):
+        raise ConfigError(key, f"{label}must be a mapping, got {value!r}", ROPE_SCALING_SHAPE)
+    raw = {str(k): value[k] for k in value.keys()}
+    rope_type = raw.get("rope_type", raw.get("type"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        what = "has no rope_type" if rope_type is None else f"rope type {rope_type!r} is not supported by gpt/te_gpt"
+        raise ConfigError(key, label + what, ", ".join(ROPE_TYPES))
+    unknown = sorted(set(raw) - {"rope_type", "type", *ROPE_SCALING_FIELDS, *ignored})
+    if unknown:
+        raise ConfigError(key, f"{label}unknown key(s) {', '.join(unknown)} for rope type 'llama3'", ROPE_SCALING_SHAPE)
+    if raw.get("original_max_position_embeddings") is None and original_default is not None:
+        raw["original_max_position_embeddings"] = original_default
+    missing = [f for f in ROPE_SCALING_FIELDS if raw.get(f) is None]
+    if missing:
+        raise ConfigError(key, f"{label}rope type 'llama3' needs {', '.join(missing)}", ROPE_SCALING_SHAPE)
+    numbers = {f: _number(raw[f], key, label + f) for f in ROPE_SCALING_FIELDS}
+    for f in ("factor", "low_freq_factor", "original_max_position_embeddings"):
+        if numbers[f] <= 0:  # divisors of the rule (old context / low_freq_factor, inv_freq / factor)
+            raise ConfigError(key, f"{label}{f} must be > 0, got {raw[f]}", "a number > 0")
+    if numbers["high_freq_factor"] <= numbers["low_freq_factor"]:  # the blend divides by their difference
+        raise ConfigError(key, f"{label}high_freq_factor={raw['high_freq_factor']} must exceed low_freq_factor="
+                          f"{raw['low_freq_factor']}", f"a number > {raw['low_freq_factor']}")
+    old = numbers["original_max_position_embeddings"]
+    if old != int(old):
+        raise ConfigError(key, f"{label}original_max_position_embeddings must be a whole number, got {old}",
+                          "an integer > 0")
+    return RopeScaling(factor=numbers["factor"], low_freq_factor=numbers["low_freq_factor"],
+                       high_freq_factor=numbers["high_freq_factor"], original_max_position_embeddings=int(old))
+
+
+def _number(value: Any, key: str, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(key, f"{what} must be a finite number, got {value!r}", "a number")
+    return float(value)
+
+
+@dataclass(frozen=True)
 class GPTDims:
     dim: int
     n_layers: int
@@ -89,6 +160,8 @@ class GPTDims:
     head_size: int = 0  # model.head_dim; 0: dim // n_heads
     qk_norm: bool = False  # RMSNorm over each q and k head (Qwen3)
     moe: Optional[MoEDims] = None  # mixture-of-experts MLPs (models/llama/moe_dims.py); None: dense
+    # Llama-3 RoPE scaling; None: plain RoPE. Not in shape(): the tensors are the same either way.
+    rope_scaling: Optional[RopeScaling] = None
 
     @property
     def head_dim(self) -> int:
@@ -162,6 +235,7 @@ def resolve_gpt_dims(model_cfg: Any) -> GPTDims:
         rope_theta=float(getattr(model_cfg, "rope_theta", 10000.0)),
         head_size=int(head_dim or 0), qk_norm=bool(pick("qk_norm") or False),
         moe=resolve_moe(getattr(model_cfg, "moe", None), preset, int(ffn_dim)),
+        rope_scaling=resolve_rope_scaling(getattr(model_cfg, "rope_scaling", None)),
     )
     check_gpt_dims(dims)
     return dims
@@ -332,5 +406,8 @@ def describe(d: GPTDims, preset: str) -> str:
     head = f" head_dim={d.head_dim}" if d.head_size else ""
     qk = " qk_norm" if d.qk_norm else ""
     moe = f" {d.moe.describe()}" if d.moe is not None else ""
+    s = d.rope_scaling
+    rope = (f" rope=llama3(factor={s.factor:g}, freq_factors={s.low_freq_factor:g}-{s.high_freq_factor:g}, "
+            f"original_ctx={s.original_max_position_embeddings})" if s is not None else "")
     return (f"preset={preset} dim={d.dim} layers={d.n_layers} heads={d.n_heads} kv_heads={d.n_kv_heads}{head}{qk} "
-            f"ffn={d.ffn_dim} vocab={d.vocab_size} tied={d.tie_embeddings}{moe}")
+            f"ffn={d.ffn_dim} vocab={d.vocab_size} tied={d.tie_embeddings}{moe}{rope}")

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .gpt_modules import GPT, MLP
+from .gpt_modules import GPT, MLP, rope_inv_freq
 
 
 def _interpreted() -> bool:
@@ -80,9 +80,8 @@ class FusedDecoder:
         self.attn = torch.empty(d.n_heads * d.head_dim, **new)
         self.ffn = torch.empty(model.layers[0].mlp.w_down.in_features if len(model.layers) else 1, **new)
         self.logits = torch.empty(1, 1, d.vocab_size, **new)
-        # The same fp32 frequencies as gpt_modules.rope_cos_sin.
-        self.inv_freq = 1.0 / d.rope_theta ** (
-            torch.arange(0, d.head_dim, 2, device=w.device, dtype=torch.float32) / d.head_dim)
+        # The same fp32 frequencies (and Llama-3 scaling) as the eager decoder's rope_cos_sin.
+        self.inv_freq = rope_inv_freq(d.head_dim, d.rope_theta, d.rope_scaling, w.device)
         self.splits = self._splits(cache.max_len, w.device)
         f32 = dict(dtype=torch.float32, device=w.device)
         self.part_max = torch.empty(d.n_heads * self.splits, **f32)

@@ -89,7 +89,8 @@ class GPTFamily(ModelFamily):
     # --- model.init_from: a Llama-layout HF directory (models/llama/hf_config.py, models/hf_weights.py) -----------------
 
     def resolve(self, m, compute_dtype) -> None:
-        """Dims left unset (and norm_eps/rope_theta at their defaults) come from init_from's config.json."""
+        """Dims left unset (and norm_eps/rope_theta at their defaults) come from init_from's config.json,
+        rope_scaling (null) too."""
         if not m.init_from:
             return
         from .hf_config import DIMS_TO_LLAMA, read_llama_dims
@@ -98,7 +99,9 @@ class GPTFamily(ModelFamily):
         for field, _ in DIMS_TO_LLAMA:
             value = getattr(m, field)
             if value is None or (getattr(defaults, field) is not None and value == getattr(defaults, field)):
-                setattr(m, field, getattr(hf, field))
+                theirs = getattr(hf, field)
+                # The config holds model.rope_scaling as the mapping a user writes, not the dataclass.
+                setattr(m, field, theirs.to_config() if isinstance(theirs, L.RopeScaling) else theirs)
 
     def check_init_from(self, m) -> None:
         if not m.init_from:

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..doc_attention import Documents
-from .dims import GPTDims
+from .dims import GPTDims, RopeScaling
 
 INIT_STD = 0.02
 
@@ -65,18 +65,45 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_cos_sin(positions, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [len(positions), head_dim] in fp32, "rotate half" layout (as HF and TE's
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None, device=None) -> torch.Tensor:
+    """RoPE's fp32 inverse frequencies [head_dim // 2]; every RoPE here (gpt, its KV-cache and fused
+    decoders, te_gpt's scaled table) takes them from this one function.
+
+    With Llama-3 `scaling` (transformers' `_compute_llama3_parameters`, same ops in the same
+    order): wavelengths past old_ctx / low_freq_factor are slowed by `factor`, those under
+    old_ctx / high_freq_factor kept, and the band between blended linearly in old_ctx / wavelen."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    old, low, high, factor = (scaling.original_max_position_embeddings, scaling.low_freq_factor,
+                              scaling.high_freq_factor, scaling.factor)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_angles(positions, head_dim: int, theta: float, device,
+                scaling: Optional[RopeScaling] = None) -> torch.Tensor:
+    """fp32 angles [len(positions), head_dim], "rotate half" layout (as HF and TE's
     non-interleaved RotaryPositionEmbedding: the frequencies repeated over both halves).
 
     `positions`: a sequence length (positions 0..n-1) or the tokens' positions (context
     parallelism: a rank's tokens are not contiguous)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
     if isinstance(positions, int):
         positions = torch.arange(positions, device=device)
     positions = positions.to(device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
+    return torch.cat((angles, angles), dim=-1)
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float, device,
+                 scaling: Optional[RopeScaling] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [len(positions), head_dim] in fp32 of `rope_angles`."""
+    angles = rope_angles(positions, head_dim, theta, device, scaling)
     return angles.cos(), angles.sin()
 
 
@@ -103,7 +130,7 @@ class Attention(nn.Module):
     def __init__(self, d: GPTDims, out_std: float, **kw):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = d.n_heads, d.n_kv_heads, d.head_dim
-        self.rope_theta = d.rope_theta
+        self.rope_theta, self.rope_scaling = d.rope_theta, d.rope_scaling
         # One GEMM for q, k and v.
         self.wqkv = Linear(d.dim, d.q_dim + 2 * d.kv_dim, INIT_STD, **kw)
         self.wo = Linear(d.q_dim, d.dim, out_std, **kw)
@@ -119,7 +146,8 @@ class Attention(nn.Module):
 
     def rope_tables(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         cp = self.context_parallel
-        return rope_cos_sin(T if cp is None else cp.positions(T, device), self.head_dim, self.rope_theta, device)
+        return rope_cos_sin(T if cp is None else cp.positions(T, device), self.head_dim, self.rope_theta, device,
+                            self.rope_scaling)
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of x [B, T, dim] as [B, heads, T, head_dim], before RoPE (q and k normalized

@@ -2,8 +2,8 @@
 
 One table, `DIMS_TO_LLAMA`, names each GPTDims field's LlamaConfig key; writing a config, reading
 one and reporting a mismatch all go through it. Reading refuses what `gpt`/`te_gpt` cannot
-reproduce (biases, another activation, scaled RoPE, a head_dim other than hidden/heads) in one
-line naming the key.
+reproduce (biases, another activation, RoPE scaled other than Llama-3's, a head_dim other than
+hidden/heads) in one line naming the key.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from ...core.errors import ConfigError
-from .dims import GPTDims, check_gpt_dims
+from .dims import ROPE_TYPES, GPTDims, RopeScaling, check_gpt_dims, resolve_rope_scaling
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE = "config.json"
@@ -29,6 +29,7 @@ DIMS_TO_LLAMA = (
     ("norm_eps", "rms_norm_eps"),
     ("rope_theta", "rope_theta"),
     ("tie_embeddings", "tie_word_embeddings"),
+    ("rope_scaling", "rope_scaling"),  # a RopeScaling <-> HF's mapping; written only when set
 )
 
 # Config dtype names (components/precision.py's) -> the names HF writes in config.json.
@@ -40,8 +41,9 @@ def llama_config(dims: GPTDims, *, dtype: str = "float32",
     """The config.json dict of a LlamaForCausalLM with `dims`.
 
     `dtype` is an HF name ("bfloat16") or a config name ("bf16"). It is written as both
-    `torch_dtype` (transformers 4.x) and `dtype` (5.x); `rope_theta` stays top-level, which 5.x
-    reads into `rope_parameters`. max_position_embeddings does not change default RoPE.
+    `torch_dtype` (transformers 4.x) and `dtype` (5.x); `rope_theta` stays top-level and Llama-3
+    scaling goes to `rope_scaling`, which 5.x reads into `rope_parameters`. max_position_embeddings
+    does not change the RoPE (`max_positions` raises it for a scaled one).
     """
     dtype = HF_DTYPE_NAMES.get(dtype, dtype)
     cfg: Dict[str, Any] = {
@@ -51,13 +53,28 @@ def llama_config(dims: GPTDims, *, dtype: str = "float32",
         "attention_bias": False,
         "mlp_bias": False,
         "head_dim": dims.head_dim,
-        "max_position_embeddings": int(max_position_embeddings),
+        "max_position_embeddings": max_positions(dims, max_position_embeddings),
         "torch_dtype": dtype,
         "dtype": dtype,
     }
     for field, key in DIMS_TO_LLAMA:
-        cfg[key] = getattr(dims, field)
+        if field != "rope_scaling":
+            cfg[key] = getattr(dims, field)
+    cfg.update(rope_scaling_entry(dims))
     return cfg
+
+
+def rope_scaling_entry(dims: GPTDims) -> Dict[str, Any]:
+    """{"rope_scaling": HF's mapping} for a scaled RoPE, {} for plain RoPE (configs stay as they were)."""
+    return {} if dims.rope_scaling is None else {"rope_scaling": dims.rope_scaling.to_config()}
+
+
+def max_positions(dims: GPTDims, requested: int) -> int:
+    """config.json's max_position_embeddings: `requested`, and for Llama-3 scaling at least the
+    context its factor is meant to reach (factor x original_max_position_embeddings, as
+    transformers documents the factor); transformers warns when it is not above the original."""
+    s = dims.rope_scaling
+    return int(requested) if s is None else max(int(requested), int(s.factor * s.original_max_position_embeddings))
 
 
 def read_config_json(hf_dir: str | Path, *, key: str) -> Dict[str, Any]:
@@ -77,14 +94,43 @@ def read_config_json(hf_dir: str | Path, *, key: str) -> Dict[str, Any]:
     return cfg
 
 
+def rope_mapping(cfg: Dict[str, Any]) -> tuple[str, Dict[str, Any]]:
+    """(its key, the RoPE mapping) of a config: 4.x `rope_scaling` or 5.x `rope_parameters`
+    (transformers 5 takes rope_scaling first too)."""
+    for name in ("rope_scaling", "rope_parameters"):
+        if cfg.get(name):
+            return name, cfg[name]
+    return "rope_parameters", {}
+
+
 def rope_of(cfg: Dict[str, Any]) -> tuple[Optional[float], str]:
     """(rope_theta, rope_type) from a 4.x (`rope_theta`, `rope_scaling`) or 5.x
     (`rope_parameters`) config; rope_type "default" means plain RoPE."""
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta"))
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    _, rope = rope_mapping(cfg)
+    rope = rope if isinstance(rope, dict) else {}  # (not a mapping: rope_scaling_of says so)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
     return (None if theta is None else float(theta)), str(rope_type)
+
+
+def rope_scaling_of(cfg: Dict[str, Any], *, key: str, source: str) -> Optional[RopeScaling]:
+    """The config's Llama-3 RoPE scaling, None for plain RoPE; a ConfigError under `key` for any
+    other rope type or a malformed one."""
+    name, rope = rope_mapping(cfg)
+    _, rope_type = rope_of(cfg)
+    if rope_type == "default" and isinstance(rope, dict):  # (also a mapping naming no type: transformers' default)
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(key, f"{source}: rope type {rope_type!r} (scaled RoPE) is not supported by "
+                               "gpt/te_gpt", ", ".join(ROPE_TYPES))
+    if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(key, f"{source}: {name}.partial_rotary_factor={rope['partial_rotary_factor']}: "
+                               "gpt/te_gpt rotate the whole head", "1.0")
+    # rope_theta is read beside it; transformers falls back to max_position_embeddings for the old context.
+    return resolve_rope_scaling(rope, key=key, label=f"{source}: {name}: ",
+                                ignored=("rope_theta", "partial_rotary_factor"),
+                                original_default=cfg.get("max_position_embeddings"))
 
 
 def dims_from_llama_config(cfg: Dict[str, Any], *, key: str, source: str = CONFIG_FILE) -> GPTDims:
@@ -98,14 +144,13 @@ def dims_from_llama_config(cfg: Dict[str, Any], *, key: str, source: str = CONFI
         if hf_key in cfg and cfg[hf_key] != allowed:
             raise ConfigError(key, f"{source}: {hf_key}={cfg[hf_key]!r} is not supported by gpt/te_gpt",
                               json.dumps(allowed))
-    theta, rope_type = rope_of(cfg)
-    if rope_type != "default":
-        raise ConfigError(key, f"{source}: rope type {rope_type!r} (scaled RoPE) is not supported by "
-                               "gpt/te_gpt", "default")
+    theta, _ = rope_of(cfg)
     values: Dict[str, Any] = {}
     for field, hf_key in DIMS_TO_LLAMA:
         if hf_key == "rope_theta":
             values[field] = 10000.0 if theta is None else theta  # LlamaConfig's default
+        elif hf_key == "rope_scaling":
+            values[field] = rope_scaling_of(cfg, key=key, source=source)
         elif hf_key == "num_key_value_heads":
             values[field] = int(cfg.get(hf_key) or cfg.get("num_attention_heads", 0))
         elif hf_key == "tie_word_embeddings":
@@ -128,13 +173,17 @@ def dims_from_llama_config(cfg: Dict[str, Any], *, key: str, source: str = CONFI
     return dims
 
 
+def _shown(value: Any) -> Any:
+    return "null" if value is None else value.describe() if isinstance(value, RopeScaling) else value
+
+
 def check_dims_match(dims: GPTDims, hf_dims: GPTDims, *, source: str, prefix: str = "model.") -> None:
     """ConfigError under `model.<field>` for the first field where the run's dims differ from
     an HF config's (`source` names the file in the message)."""
     for field, hf_key in DIMS_TO_LLAMA:
         ours, theirs = getattr(dims, field), getattr(hf_dims, field)
         if ours != theirs:
-            raise ConfigError(f"{prefix}{field}", f"{ours} but {source} has {hf_key}={theirs}")
+            raise ConfigError(f"{prefix}{field}", f"{_shown(ours)} but {source} has {hf_key}={_shown(theirs)}")
 
 
 def read_llama_dims(hf_dir: str | Path, *, key: str) -> GPTDims:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Tuple
 
 from ...core.errors import ConfigError
 from .dims import GPTDims
-from .hf_config import HF_DTYPE_NAMES
+from .hf_config import HF_DTYPE_NAMES, max_positions, rope_scaling_entry
 
 if TYPE_CHECKING:
     import torch
@@ -63,8 +63,9 @@ def hf_config(d: GPTDims, *, dtype: str = "float32", max_position_embeddings: in
         "num_attention_heads": d.n_heads, "num_key_value_heads": d.n_kv_heads, "head_dim": d.head_dim,
         "vocab_size": d.vocab_size, "rms_norm_eps": d.norm_eps, "rope_theta": d.rope_theta,
         "tie_word_embeddings": d.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "max_position_embeddings": int(max_position_embeddings), "use_cache": True,
-        "torch_dtype": dtype, "dtype": dtype,
+        "attention_dropout": 0.0, "max_position_embeddings": max_positions(d, max_position_embeddings),
+        "use_cache": True, "torch_dtype": dtype, "dtype": dtype,
+        **rope_scaling_entry(d),  # Llama-3 RoPE scaling: transformers' Qwen3 and Mixtral read it alike
     }
     m = d.moe
     if arch == MIXTRAL:

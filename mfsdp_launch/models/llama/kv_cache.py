@@ -75,7 +75,7 @@ def prefill(model: GPT, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor
     if T > cache.max_len:
         raise ValueError(f"prompt of {T} tokens exceeds the cache's {cache.max_len}")
     x = model.tok_emb(input_ids)
-    cos, sin = rope_cos_sin(T, model.dims.head_dim, model.dims.rope_theta, x.device)
+    cos, sin = rope_cos_sin(T, model.dims.head_dim, model.dims.rope_theta, x.device, model.dims.rope_scaling)
     for i, layer in enumerate(model.layers):
         q, k, v = _qkv(layer.attn, layer.attn_norm(x), cos, sin)
         cache.keys[i][:, :, :T] = k
@@ -90,7 +90,7 @@ def decode_step(model: GPT, input_ids: torch.Tensor, pos: torch.Tensor, cache: K
     """Logits [B, 1, vocab] of one new token per sequence at position `pos` (0-d LongTensor):
     its key and value are written there, and it attends to cache positions 0..pos."""
     x = model.tok_emb(input_ids)
-    cos, sin = rope_cos_sin(pos.view(1), model.dims.head_dim, model.dims.rope_theta, x.device)
+    cos, sin = rope_cos_sin(pos.view(1), model.dims.head_dim, model.dims.rope_theta, x.device, model.dims.rope_scaling)
     visible = (torch.arange(cache.max_len, device=x.device) <= pos).view(1, 1, 1, -1)
     at = pos.view(1)
     for i, layer in enumerate(model.layers):

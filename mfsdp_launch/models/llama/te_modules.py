@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from ...corpus.doc_mask import cu_seqlens as doc_segments
 from ..doc_attention import KERNELS
-from .gpt_modules import Embedding, RMSNorm
-from .dims import GPTDims
+from .gpt_modules import Embedding, RMSNorm, rope_angles
+from .dims import GPTDims, RopeScaling
 
 INIT_STD = 0.02
 TE_DEFAULT_INIT_STD = 0.023  # TE's get_default_init_method()
@@ -97,6 +97,30 @@ class ToyTETransformer(torch.nn.Module):
         return x
 
 
+class ScaledRotaryEmbedding(nn.Module):
+    """TE RotaryPositionEmbedding's table for a Llama-3-scaled RoPE, which TE's module has no
+    option for: `forward(max_seq_len, offset)` gives the same [S, 1, 1, dim] fp32 angles
+    (frequencies repeated over both halves), from gpt's inv_freq (gpt_modules.rope_inv_freq).
+    It holds no tensors, so nothing of it reaches a state dict or needs to_empty()."""
+
+    def __init__(self, dim: int, theta: float, scaling: Optional[RopeScaling], device=None):
+        super().__init__()
+        self.dim, self.theta, self.scaling = dim, theta, scaling
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        positions = torch.arange(max_seq_len, device=self.device, dtype=torch.float32) + offset
+        return rope_angles(positions, self.dim, self.theta, self.device, self.scaling).view(max_seq_len, 1, 1, self.dim)
+
+
+def rotary_embedding(dim: int, theta: float, scaling: Optional[RopeScaling] = None, device=None) -> nn.Module:
+    """The RoPE table module of a te_gpt layer: TE's own for plain RoPE (today's runs, unchanged),
+    ScaledRotaryEmbedding for Llama-3 scaling."""
+    if scaling is None:
+        return te_module().RotaryPositionEmbedding(dim, rotary_base=theta)
+    return ScaledRotaryEmbedding(dim, theta, scaling, device)
+
+
 @functools.lru_cache(maxsize=None)
 def rope_transformer_layer_class():
     """A te.pytorch.TransformerLayer subclass that builds its own RoPE table at forward.
@@ -109,9 +133,10 @@ def rope_transformer_layer_class():
     te = te_module()
 
     class RopeTransformerLayer(te.TransformerLayer):
-        def __init__(self, *args, rope_dim: int, rope_theta: float, **kwargs):
+        def __init__(self, *args, rope_dim: int, rope_theta: float, rope_scaling: Optional[RopeScaling] = None,
+                     **kwargs):
             super().__init__(*args, **kwargs)
-            self.rope_dim, self.rope_theta = rope_dim, rope_theta
+            self.rope_dim, self.rope_theta, self.rope_scaling = rope_dim, rope_theta, rope_scaling
             # A plain dict, not a submodule: the RoPE module's inv_freq buffer would otherwise
             # land in state dicts and be wiped by to_empty() after meta-device init.
             self._rope = {}
@@ -119,7 +144,7 @@ def rope_transformer_layer_class():
         def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
             rope = self._rope.get("module")
             if rope is None:
-                rope = te.RotaryPositionEmbedding(self.rope_dim, rotary_base=self.rope_theta)
+                rope = rotary_embedding(self.rope_dim, self.rope_theta, self.rope_scaling, hidden_states.device)
                 self._rope["module"] = rope
             if kwargs.get("cu_seqlens_q") is None:
                 return super().forward(hidden_states, rotary_pos_emb=rope(self.rope_len(hidden_states)), **kwargs)
@@ -217,6 +242,7 @@ class TEGPT(nn.Module):
                 device=device,
                 rope_dim=dims.head_dim,
                 rope_theta=dims.rope_theta,
+                rope_scaling=dims.rope_scaling,
                 **parallel,
             )
             for i in range(dims.n_layers)
