@@ -180,8 +180,10 @@ class ModelFamily:
         rather than derive (models/measured.py)."""
         return None
 
-    def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> dict:
-        """The memory estimate's activation lines (planner/memory.py); LLM families split off the logits."""
+    def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1,
+                         compiled: bool = False) -> dict:
+        """The memory estimate's activation lines (planner/memory.py); LLM families split off the logits
+        (`compiled`: under train.compile, whose cross-entropy saves less)."""
         return {"activations": self.activation_bytes(m, micro_batch_size, seq_len, bytes_per_el), "logits": 0}
 
     def experts(self, m) -> int:

@@ -111,7 +111,7 @@ def estimate(cfg, dims: ParallelDims) -> MemoryEstimate:
     if tp > 1:
         n, unit = _tp_params(fam, m, n, unit, tp)
         train_n, frozen_n = (train_n, n) if frozen_n else (n, 0)
-    parts = fam.activation_parts(m, t.micro_batch_size, t.seq_len, compute_b, tp=tp)
+    parts = fam.activation_parts(m, t.micro_batch_size, t.seq_len, compute_b, tp=tp, compiled=bool(t.compile))
     cp = max(dims.cp, 1)
     est = MemoryEstimate(
         params=(train_n + frozen_n) * weight_b / f["params"],

@@ -327,10 +327,16 @@ LOSS_BYTES_PER_LOGIT = 12
 # model.loss_kernel=te_fused: the bf16 logits, and their bf16 gradient (TE >= 2.20 writes it over
 # the logits; older TE allocates it, so this bounds both).
 FUSED_LOSS_BYTES_PER_LOGIT = 4
+# train.compile (models/losses.py compiles the cross-entropy): Inductor keeps the bf16 logits and
+# makes no fp32 copy of them; measured 5.4 bytes per logit at vocab 128,256 and seq 8192 on one H200
+# (38.3 GiB reserved against 36.9 with te_fused, bench/results.json's sft_llama1b_s8192 rows).
+COMPILED_LOSS_BYTES_PER_LOGIT = 6
 
 
-def loss_bytes_per_logit(loss_kernel) -> int:
-    return FUSED_LOSS_BYTES_PER_LOGIT if str(loss_kernel) == "te_fused" else LOSS_BYTES_PER_LOGIT
+def loss_bytes_per_logit(loss_kernel, compiled: bool = False) -> int:
+    if str(loss_kernel) == "te_fused":
+        return FUSED_LOSS_BYTES_PER_LOGIT
+    return COMPILED_LOSS_BYTES_PER_LOGIT if compiled else LOSS_BYTES_PER_LOGIT
 
 
 def checkpointed_count(n_layers: int, activation_checkpointing: str = "none", ac_every: int = 1) -> int:
@@ -345,7 +351,7 @@ def checkpointed_count(n_layers: int, activation_checkpointing: str = "none", ac
 
 def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_el: int,
                      activation_checkpointing: str = "none", ac_every: int = 1, tp: int = 1,
-                     te_layers: bool = False, loss_kernel: str = "torch") -> dict:
+                     te_layers: bool = False, loss_kernel: str = "torch", compiled: bool = False) -> dict:
     """Bytes one rank holds for backward at the start of the backward pass, one micro-batch:
     {"activations": the blocks and embedding, "logits": the loss's buffers}.
 
@@ -360,7 +366,8 @@ def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_
       * TE `te_gpt` TransformerLayer: 6d + 2kv + 3f (its fused kernels save less); with tp its
         sequence parallelism splits all of it.
     A checkpointed block keeps only its input, plus one block's full set while it recomputes.
-    Logits: `loss_bytes_per_logit` per token and vocab entry (the head is whole on every tp rank).
+    Logits: `loss_bytes_per_logit` per token and vocab entry (the head is whole on every tp rank;
+    `compiled`: train.compile, which compiles the cross-entropy).
     A MoE layer saves, per token, for each of its top_k experts the dispatched input and output
     copies (2d, plus d each way through the all-to-all under mesh.ep) and the expert's 4 * its ffn,
     the shared expert's 4 * its ffn, and the router's fp32 logits and probabilities (4 elements per
@@ -385,7 +392,7 @@ def activation_parts(d: GPTDims, micro_batch_size: int, seq_len: int, bytes_per_
     n_ckpt = checkpointed_count(d.n_layers, activation_checkpointing, ac_every)
     layers = n_ckpt * ckpt_in + live_blocks(d, activation_checkpointing, ac_every) * (per_layer + weights)
     return {"activations": int(tokens * (layers + 3 * d.dim) * bytes_per_el),
-            "logits": int(tokens * d.vocab_size * loss_bytes_per_logit(loss_kernel))}
+            "logits": int(tokens * d.vocab_size * loss_bytes_per_logit(loss_kernel, compiled))}
 
 
 def live_blocks(d: GPTDims, activation_checkpointing: str = "none", ac_every: int = 1) -> int:

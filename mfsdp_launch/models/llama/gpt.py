@@ -177,10 +177,11 @@ class GPTFamily(ModelFamily):
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> int:
         return sum(self.activation_parts(m, micro_batch_size, seq_len, bytes_per_el, tp=tp).values())
 
-    def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1) -> dict:
+    def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1,
+                         compiled: bool = False) -> dict:
         return L.activation_parts(self.dims(m), micro_batch_size, seq_len, bytes_per_el,
                                   str(m.activation_checkpointing), m.ac_every, tp, te_layers=self.has_te_layers,
-                                  loss_kernel=str(m.loss_kernel))
+                                  loss_kernel=str(m.loss_kernel), compiled=compiled)
 
     def largest_unit_params(self, m) -> int:
         # Units: each Block; the root holds the embedding, final norm and head.
