@@ -102,17 +102,19 @@ ROPE_SCALING_SHAPE = "null, or {rope_type: llama3, " + ", ".join(ROPE_SCALING_FI
 
 
 def resolve_rope_scaling(value: Any, *, key: str = "model.rope_scaling", label: str = "",
-                         ignored: tuple = (), original_default: Optional[int] = None) -> Optional[RopeScaling]:
+                         ignored: tuple = (), original_default: Optional[int] = None,
+                         untyped_is_default: bool = False) -> Optional[RopeScaling]:
     """RopeScaling of a `model.rope_scaling` mapping (or HF's: `label` names it in the message,
     `ignored` its keys read elsewhere, `original_default` transformers' fallback for the old
-    context); None for null / rope_type default. Anything else is a ConfigError under `key`."""
+    context, `untyped_is_default` its reading of a mapping without a type); None for null /
+    rope_type default. Anything else is a ConfigError under `key`, the one rope-type rule."""
     if value is None:
         return None
     if not hasattr(value, "keys"):
         raise ConfigError(key, f"{label}must be a mapping, got {value!r}", ROPE_SCALING_SHAPE)
     raw = {str(k): value[k] for k in value.keys()}
     rope_type = raw.get("rope_type", raw.get("type"))
-    if rope_type == "default":
+    if rope_type == "default" or (rope_type is None and untyped_is_default):
         return None
     if rope_type != "llama3":
         what = "has no rope_type" if rope_type is None else f"rope type {rope_type!r} is not supported by gpt/te_gpt"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from ...core.errors import ConfigError
-from .dims import ROPE_TYPES, GPTDims, RopeScaling, check_gpt_dims, resolve_rope_scaling
+from .dims import GPTDims, RopeScaling, check_gpt_dims, resolve_rope_scaling
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE = "config.json"
@@ -70,11 +70,25 @@ def rope_scaling_entry(dims: GPTDims) -> Dict[str, Any]:
 
 
 def max_positions(dims: GPTDims, requested: int) -> int:
-    """config.json's max_position_embeddings: `requested`, and for Llama-3 scaling at least the
-    context its factor is meant to reach (factor x original_max_position_embeddings, as
-    transformers documents the factor); transformers warns when it is not above the original."""
+    """config.json's max_position_embeddings: `requested`, unless a Llama-3 scaling needs more:
+    transformers warns when it is not above original_max_position_embeddings, and then the
+    context the factor reaches (factor x original) is written. The RoPE does not read it."""
     s = dims.rope_scaling
-    return int(requested) if s is None else max(int(requested), int(s.factor * s.original_max_position_embeddings))
+    if s is None or int(requested) > s.original_max_position_embeddings:
+        return int(requested)
+    return int(s.factor * s.original_max_position_embeddings)
+
+
+def base_max_positions(init_from: Optional[str]) -> Optional[int]:
+    """The max_position_embeddings of a run's `model.init_from` directory, when it is still
+    readable here: an export of a fine-tuned Llama-3.2 then says 131072, as Meta's config does."""
+    if not init_from:
+        return None
+    try:
+        value = json.loads((Path(init_from).expanduser() / CONFIG_FILE).read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def read_config_json(hf_dir: str | Path, *, key: str) -> Dict[str, Any]:
@@ -116,21 +130,17 @@ def rope_of(cfg: Dict[str, Any]) -> tuple[Optional[float], str]:
 
 def rope_scaling_of(cfg: Dict[str, Any], *, key: str, source: str) -> Optional[RopeScaling]:
     """The config's Llama-3 RoPE scaling, None for plain RoPE; a ConfigError under `key` for any
-    other rope type or a malformed one."""
+    other rope type or a malformed one (dims.resolve_rope_scaling's rule, as for model.rope_scaling)."""
     name, rope = rope_mapping(cfg)
-    _, rope_type = rope_of(cfg)
-    if rope_type == "default" and isinstance(rope, dict):  # (also a mapping naming no type: transformers' default)
-        return None
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(key, f"{source}: rope type {rope_type!r} (scaled RoPE) is not supported by "
-                               "gpt/te_gpt", ", ".join(ROPE_TYPES))
-    if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0:
+    # rope_theta is read beside it; transformers falls back to max_position_embeddings for the old
+    # context and reads a mapping that names no type as plain RoPE.
+    scaling = resolve_rope_scaling(rope or None, key=key, label=f"{source}: {name}: ",
+                                   ignored=("rope_theta", "partial_rotary_factor"),
+                                   original_default=cfg.get("max_position_embeddings"), untyped_is_default=True)
+    if scaling is not None and rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(key, f"{source}: {name}.partial_rotary_factor={rope['partial_rotary_factor']}: "
                                "gpt/te_gpt rotate the whole head", "1.0")
-    # rope_theta is read beside it; transformers falls back to max_position_embeddings for the old context.
-    return resolve_rope_scaling(rope, key=key, label=f"{source}: {name}: ",
-                                ignored=("rope_theta", "partial_rotary_factor"),
-                                original_default=cfg.get("max_position_embeddings"))
+    return scaling
 
 
 def dims_from_llama_config(cfg: Dict[str, Any], *, key: str, source: str = CONFIG_FILE) -> GPTDims:

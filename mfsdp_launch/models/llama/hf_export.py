@@ -21,7 +21,7 @@ from ...core.atomic_io import atomic_write, atomic_write_text
 from ...core.errors import ConfigError
 from .dims import GPTDims
 from . import hf_keys as llama_keys
-from .hf_config import CONFIG_FILE, llama_config
+from .hf_config import CONFIG_FILE, base_max_positions, llama_config
 
 if TYPE_CHECKING:
     import torch
@@ -236,7 +236,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dt
         # Mixtures of experts and Qwen3-style attention: a Qwen3-MoE / Qwen3 / Mixtral directory.
         writer = export_variant_state if uses_variant(dims) else functools.partial(export_gpt_state, model=name)
         info = writer(state, out, dims=dims, dtype=torch_dtype, max_shard_bytes=max_shard_bytes, metadata=meta,
-                      max_position_embeddings=max(4096, seq_len))
+                      max_position_embeddings=base_max_positions(model_cfg.init_from) or max(4096, seq_len))
     elif name == "hf":
         info = export_hf_state(state, out, hf_config=_hf_config_dict(model_cfg), dtype=torch_dtype,
                                max_shard_bytes=max_shard_bytes, metadata=meta)

@@ -171,6 +171,17 @@ def test_export_keeps_the_scaling_and_transformers_loads_it(tmp_path):
     assert hf_config.llama_config(_dims())["max_position_embeddings"] == 4096
 
 
+def test_export_writes_the_bases_max_positions(scaled_llama, tmp_path):
+    # Llama-3.2's numbers: factor 32 over 8192, max_position_embeddings 131072 in Meta's config.json
+    meta = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    dims = _dims(rope_theta=500000.0, rope_scaling=meta)
+    assert hf_config.max_positions(dims, 131072) == 131072  # the base's value, above the old context
+    assert hf_config.max_positions(dims, 4096) == 262144  # not above it: the factor's reach
+    assert hf_config.max_positions(_dims(), 4096) == 4096
+    assert hf_config.base_max_positions(str(scaled_llama)) == 512
+    assert hf_config.base_max_positions(str(tmp_path / "gone")) is None and hf_config.base_max_positions(None) is None
+
+
 def test_variant_exports_write_the_scaling_too():
     dims = _dims(qk_norm=True, rope_scaling=SCALING)
     cfg = hf_moe.hf_config(dims)
@@ -233,8 +244,8 @@ def test_a_bad_hf_rope_scaling_is_one_line_under_init_from():
         hf_config.dims_from_llama_config(cfg, key="model.init_from")
     assert str(err.value).startswith("model.init_from: config.json: rope_scaling: factor must be > 0, got 0")
     cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 2.0}
-    with pytest.raises(ConfigError, match=r"rope type 'longrope' \(scaled RoPE\) is not supported by gpt/te_gpt "
-                                          r"\(allowed: default, llama3\)$"):
+    with pytest.raises(ConfigError, match=r"^model.init_from: config.json: rope_scaling: rope type 'longrope' is not "
+                                          r"supported by gpt/te_gpt \(allowed: default, llama3\)$"):
         hf_config.dims_from_llama_config(cfg, key="model.init_from")
 
 
