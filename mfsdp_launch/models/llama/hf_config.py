@@ -85,8 +85,8 @@ def base_max_positions(init_from: Optional[str]) -> Optional[int]:
     if not init_from:
         return None
     try:
-        value = json.loads((Path(init_from).expanduser() / CONFIG_FILE).read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
+        value = read_config_json(init_from, key="model.init_from").get("max_position_embeddings")
+    except ConfigError:  # gone, or not a config any more: the export's own default
         return None
     return value if isinstance(value, int) and value > 0 else None
 
@@ -117,15 +117,10 @@ def rope_mapping(cfg: Dict[str, Any]) -> tuple[str, Dict[str, Any]]:
     return "rope_parameters", {}
 
 
-def rope_of(cfg: Dict[str, Any]) -> tuple[Optional[float], str]:
-    """(rope_theta, rope_type) from a 4.x (`rope_theta`, `rope_scaling`) or 5.x
-    (`rope_parameters`) config; rope_type "default" means plain RoPE."""
-    params = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta"))
-    _, rope = rope_mapping(cfg)
-    rope = rope if isinstance(rope, dict) else {}  # (not a mapping: rope_scaling_of says so)
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    return (None if theta is None else float(theta)), str(rope_type)
+def rope_theta_of(cfg: Dict[str, Any]) -> Optional[float]:
+    """rope_theta from a 4.x (top-level) or 5.x (inside `rope_parameters`) config; None if unset."""
+    theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
+    return None if theta is None else float(theta)
 
 
 def rope_scaling_of(cfg: Dict[str, Any], *, key: str, source: str) -> Optional[RopeScaling]:
@@ -154,7 +149,7 @@ def dims_from_llama_config(cfg: Dict[str, Any], *, key: str, source: str = CONFI
         if hf_key in cfg and cfg[hf_key] != allowed:
             raise ConfigError(key, f"{source}: {hf_key}={cfg[hf_key]!r} is not supported by gpt/te_gpt",
                               json.dumps(allowed))
-    theta, _ = rope_of(cfg)
+    theta = rope_theta_of(cfg)
     values: Dict[str, Any] = {}
     for field, hf_key in DIMS_TO_LLAMA:
         if hf_key == "rope_theta":
