@@ -87,6 +87,19 @@ ENTRIES: Dict[str, dict] = {
     # Our best settings against torchtitan's best (compile): twice the micro-batch fits easily (50 GiB).
     "mfsdp_compile_mbs8": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs8_compile", kind="launcher",
                                engine="megatron_fsdp", extra=["train.compile=true"], **dict(LLAMA, model="gpt", mbs=8)),
+    # A full-iteration CUDA graph over the compiled blocks: one replay a step launches forward,
+    # loss, backward and the engine's reduction, so the host's Python (Megatron-FSDP's hooks, Dynamo's
+    # guards, ~15 ms of a compiled step in session 23's trace) no longer paces the GPU. torchtitan's
+    # own CUDA graphs cannot run on this torch (tt_bench.py says why), so its best here is tt_compile.
+    "mfsdp_compile_graph": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_graph", kind="launcher",
+                                engine="megatron_fsdp", extra=["train.compile=true", "train.cuda_graph=full_iteration"],
+                                **dict(LLAMA, model="gpt")),
+    "mfsdp_graph": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_graph", kind="launcher", engine="megatron_fsdp",
+                        extra=["train.cuda_graph=full_iteration"], **dict(LLAMA, model="gpt")),
+    "mfsdp_compile_graph_mbs8": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs8_compile_graph", kind="launcher",
+                                     engine="megatron_fsdp",
+                                     extra=["train.compile=true", "train.cuda_graph=full_iteration"],
+                                     **dict(LLAMA, model="gpt", mbs=8)),
 }
 # Issue 24 on ONE H200: torchtitan's own Qwen3-30B-A3B cut to 4 layers (bench/peers/tt_qwen3_moe.py, the
 # same 3,114,814,464 parameters) against our model.preset=qwen3-30b-a3b model.n_layers=4, eager and

@@ -7,12 +7,15 @@ replayed every step, as in Megatron-FSDP's `test_full_iteration_cuda_graph`:
 * the model is wrapped with `cuda_graph_mode=True` (the engine does it when its
   `cuda_graph_mode` is set), and its main gradients have the main weights' dtype (validated), so
   `param.grad` is a stable view of the sharded gradient buffer that every replay writes into;
-* the optimizer is TE FusedAdam with `capturable=True` (the engine converts it), stepped eagerly
-  between replays, and zeroed with `zero_grad(set_to_none=False)` so the views survive;
+* the optimizer is not captured: it steps eagerly between replays (torch's AdamW as it is, TE
+  FusedAdam made `capturable=True` by the engine) and is zeroed with
+  `zero_grad(set_to_none=False)` so the views survive;
 * inputs live in static buffers: each step's batch is copied into them before the replay;
 * before capture, a few eager iterations run on a side stream (lazy initialisation, allocator
-  warm-up). They run with LR 0 and the optimizer state is restored afterwards, so the warm-up
-  does not change the training trajectory.
+  warm-up, and under train.compile the compilation of every block's forward and backward, so the
+  capture records Inductor's kernels and a replay runs neither Dynamo's guards nor the engine's
+  Python hooks). They run with LR 0 and the optimizer state is restored afterwards, so the
+  warm-up does not change the training trajectory.
 
 The loop calls `step_fn()` (one replay, returning the static loss tensor) instead of its own
 forward/backward, then clips, steps and zeroes as usual.

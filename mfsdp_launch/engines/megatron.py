@@ -379,11 +379,9 @@ def _avoid_single_rank_premul_sum(wrapped) -> None:
 
 def make_capturable(optimizer, device) -> None:
     """Turn a TE FusedAdam into its CUDA-graph-safe form (capturable=True) before its first step:
-    LR and step counters become device tensors."""
-    if getattr(optimizer, "capturable", None) is None:
-        raise ConfigError("optim.impl", f"{type(optimizer).__name__} cannot be captured in a CUDA "
-                          "graph", "te_fused")
-    if optimizer.capturable:
+    LR and step counters become device tensors. torch's AdamW stays as it is: the loop steps it
+    eagerly between replays, on the gradient views the graph writes."""
+    if getattr(optimizer, "capturable", None) is None or optimizer.capturable:
         return
     optimizer.capturable = True
     optimizer._step_supports_amp_scaling = True

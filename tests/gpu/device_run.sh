@@ -10,7 +10,8 @@
 # ONE_GPU_WORKERS files at a time on the one GPU (the tests are tiny, their time is start-up on
 # the CPU), the slow files first; without TE its TE tests skip, so run it after `setup.sh te` for
 # the whole tier; ONE_GPU_ARGS replaces the files, e.g. to run one),
-# generate (scripts/bench_generate.py on the 1.4b gpt, then +recipe=fsdp_bf16 as shipped for 60 steps).
+# generate (scripts/bench_generate.py on the 1.4b gpt, then +recipe=fsdp_bf16 as shipped for 60 steps),
+# peers (scripts/bench_peers.py $PEERS: torchtitan and this launcher side by side; carry .peers).
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
 #
@@ -80,6 +81,11 @@ case "$phase" in
     cat "$OUT/generate.json" | tee -a "$log"; reap
     timeout -k 10 180 python3 -m mfsdp_launch +recipe=fsdp_bf16 train.steps=60 train.log_interval=20 \
       checkpoint.save_final=false run.dir=/tmp/recipe_fsdp_bf16 2>&1 | tail -6 | tee -a "$log"; reap ;;
+  peers)  # PEERS: scripts/bench_peers.py arguments (e.g. PEERS="--world 1 --only tt_compile --only mfsdp_compile");
+    # needs .peers carried. Its rows come back as $OUT/peers_rows.json, the logs in the artifacts tarball.
+    timeout -k 10 "$budget" python3 scripts/bench_peers.py ${PEERS:?PEERS} --logs "$MFSDP_GPU_TEST_LOGS/peers" 2>&1 \
+      | tee -a "$log"; reap
+    cp "$MFSDP_GPU_TEST_LOGS/peers/peers_rows.json" "$OUT/" 2>/dev/null ;;
   te_parallel)
     timeout "$budget" $PYTEST tests/gpu/test_te_parallel_gpu.py -s 2>&1 | tee -a "$log" ;;
   te_e2e_bench)

@@ -152,10 +152,19 @@ def test_step_counters_reset_after_synthetic_step():
     assert opt.state[w]["step"].item() == 0 and opt.param_groups[0]["step"] == 0
 
 
-def test_make_capturable_refuses_torch_adamw():
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
-    with pytest.raises(ConfigError):
-        make_capturable(opt, torch.device("cpu"))
+def test_make_capturable_leaves_torch_adamw_as_it_is():
+    """torch's AdamW steps eagerly between replays: its LR stays a number, its state untouched."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], lr=1e-3)
+    before = dict(opt.param_groups[0], params=None)
+    make_capturable(opt, torch.device("cpu"))
+    assert dict(opt.param_groups[0], params=None) == before and isinstance(opt.param_groups[0]["lr"], float)
+    assert not hasattr(opt, "capturable")
+
+
+def test_make_capturable_turns_fused_adam_capturable():
+    opt = _FusedAdamLike(capturable=False)
+    make_capturable(opt, torch.device("cpu"))
+    assert opt.capturable and torch.is_tensor(opt.param_groups[0]["lr"])
 
 
 class _FusedAdamLike(torch.optim.SGD):

@@ -137,7 +137,9 @@ REFUSALS = [
     (["train.stall_dump_s=0"], "train.stall_dump_s"),
     (["train.cuda_graph=sometimes"], "train.cuda_graph"),
     (["train.cuda_graph=full_iteration"], "engine"),
-    (["engine=megatron_fsdp", "train.cuda_graph=full_iteration"], "optim.impl"),
+    (["engine=megatron_fsdp", "train.cuda_graph=full_iteration"], "precision.main_grads_dtype"),
+    (["engine=megatron_fsdp", "train.cuda_graph=full_iteration", "precision.main_grads_dtype=fp32",
+      "train.grad_accum_steps=2"], "train.grad_accum_steps"),
     (["fp8.attention=true"], "fp8.attention"),
     (["engine=megatron_fsdp", "model=te_gpt", "fp8.recipe=blockwise", "fp8.attention=true"], "fp8.attention"),
     (["engine=megatron_fsdp", "model=te_gpt", "fp8.recipe=delayed", "fp8.attention=true", "mesh.cp=2",
@@ -184,6 +186,14 @@ def test_odd_vocab_is_fine_when_the_head_skips_fp8():
 def test_full_iteration_cuda_graph_accepts_the_seed_setup():
     checked("engine=megatron_fsdp", "model=toy_transformer", "train.cuda_graph=full_iteration",
             "optim.impl=te_fused", "precision.main_grads_dtype=fp32")
+
+
+@pytest.mark.parametrize("impl", ["torch", "fused", "te_fused"])
+def test_full_iteration_cuda_graph_takes_compile_and_any_adamw(impl):
+    # the optimizer steps eagerly between replays; the compiled blocks are captured like any kernel
+    cfg, _ = checked("engine=megatron_fsdp", "model=gpt", "model.preset=tiny", "train.cuda_graph=full_iteration",
+                     f"optim.impl={impl}", "precision.main_grads_dtype=fp32", "train.compile=true")
+    assert cfg.train.compile and str(cfg.train.cuda_graph) == "full_iteration"
 
 
 def test_megatron_fsdp_needs_a_gpu_when_not_a_dry_run(monkeypatch):
