@@ -369,6 +369,14 @@ def _model(r: dict) -> str:
     return f"{r['model']} {r['preset']}" + (f" ({r['n_layers']} layers)" if r.get("n_layers") else "")
 
 
+def _gpus(r: dict, res: dict) -> str:
+    """The row's GPU count, with its machine where it is not the one the header names."""
+    device = r.get("device")
+    if not device or device.split("x ", 1)[-1] == str(res.get("device", "")).split("x ", 1)[-1]:
+        return str(r["world"])
+    return f"{r['world']} ({device.split('x ', 1)[-1]})"
+
+
 def render(res: dict) -> None:
     OUT.mkdir(exist_ok=True)
     runs = [r for r in res["runs"].values()]
@@ -388,7 +396,7 @@ def render(res: dict) -> None:
                          f"{r['precision']} | {r.get('fp8_params')} | {r.get('world', '?')} | failed | | |")
             continue
         lines.append(f"| {r['name']} | {r['engine']} | {_model(r)} | {r['seq']} | {r['mbs']} | "
-                     f"{r['precision']} | {'yes' if r.get('fp8_params') else 'no'} | {r['world']} | "
+                     f"{r['precision']} | {'yes' if r.get('fp8_params') else 'no'} | {_gpus(r, res)} | "
                      f"{_fmt(r['tokens_per_s_per_gpu'], ',.0f')} | "
                      f"{_fmt(100 * r['mfu'] if r.get('mfu') is not None else None, '.1f')}% | "
                      f"{_fmt(r['peak_mem_gib'], '.1f')} |")

@@ -472,8 +472,11 @@ def merge(paths: List[str]) -> int:
     res = bench.load_results()
     for path in paths:
         got = json.loads(Path(path).read_text())
-        res["runs"].update(got["runs"])
-        res["device"] = got.get("device", res.get("device"))
+        # Each row keeps the machine it ran on: a call may get an H100 where the rest ran on H200s,
+        # and results.md marks such rows (the header names the machine of the others).
+        res["runs"].update({name: dict(row, device=row.get("device", got.get("device")))
+                            for name, row in got["runs"].items()})
+        res.setdefault("device", got.get("device"))
         print(f"merged {len(got['runs'])} row(s) from {path}")
     bench.save_results(res)
     bench.render(res)

@@ -128,17 +128,5 @@ def after_optimizer_steps(model: "torch.nn.Module", optimizer, fp8_cfg, *, all_g
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
 
 
-def outside_units(model: "torch.nn.Module", unit_classes: Sequence[type]) -> List["torch.nn.Module"]:
-    """The converted layers outside every unit (the output head). train.compile compiles them on
-    their own (models/compile.py): compiled per unit only, their casts to FP8 would run as eager
-    kernels, several passes over the head's [tokens, vocab] gradient each step."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    classes = tuple(unit_classes)
-    inside = {id(m) for unit in model.modules() if classes and isinstance(unit, classes) and unit is not model
-              for m in unit.modules()}
-    return [m for m in model.modules() if isinstance(m, Float8Linear) and id(m) not in inside]
-
-
 def uses_torchao(fp8_cfg) -> bool:
     return is_torchao(fp8_cfg.recipe)

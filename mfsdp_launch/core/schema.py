@@ -256,7 +256,7 @@ class TrainConfig:
     cpu_offload: bool = False
     seed: int = 1234
     grad_clip: Optional[float] = 1.0
-    cuda_graph: CudaGraphMode = CudaGraphMode.none
+    cuda_graph: CudaGraphMode = CudaGraphMode.none  # full_iteration: one replayed graph a step (docs/performance.md)
     progress: bool = True
     # At every log step, name a rank whose busy time per step is over this many times the median
     # of the others (rank/straggler.py: one all_gather of a float); 0: off.

@@ -18,9 +18,9 @@ from torch import nn
 from .activation_checkpoint import is_te_module
 
 
-def compile_model(model: nn.Module, unit_classes: Sequence[type], also: Sequence[nn.Module] = ()) -> tuple[nn.Module, str]:
+def compile_model(model: nn.Module, unit_classes: Sequence[type]) -> tuple[nn.Module, str]:
     """(the module to call for forward, one line saying what was compiled): `model` with its units
-    (and the modules `also` names, outside them: torchao's FP8 head) compiled, or torch.compile(model)."""
+    compiled, or torch.compile(model)."""
     from .losses import compile_cross_entropy
 
     compile_cross_entropy()  # the loss outside the units: compiled too (losses.py says why)
@@ -30,11 +30,9 @@ def compile_model(model: nn.Module, unit_classes: Sequence[type], also: Sequence
         kind = "TE layers" if any(is_te_module(m) for m in model.modules()) else "no plain-torch units"
         return torch.compile(model), (f"train.compile: on: the whole {type(model).__name__} as one region "
                                       f"({kind}); the first step compiles it")
-    for unit in [*units, *also]:
+    for unit in units:
         unit.forward = torch.compile(unit.forward)
     # The declared class, not FSDP2's per-class wrapper type (FSDPBlock).
     names = sorted({next(c.__name__ for c in classes if isinstance(u, c)) for u in units})
-    extra = f", {len(also)} FP8 layer(s) outside them" if also else ""
     return model, (f"train.compile: on: {len(units)} {'/'.join(names)} unit(s) compiled in place, one graph "
-                   f"reused by units of the same shapes{extra}, and the cross-entropy on a GPU; the first step "
-                   "compiles it")
+                   "reused by units of the same shapes, and the cross-entropy on a GPU; the first step compiles it")

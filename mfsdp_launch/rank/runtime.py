@@ -151,12 +151,7 @@ def build_training(cfg, rt: Runtime) -> Training:
     if cfg.train.compile:
         from ..models.compile import compile_model
 
-        also = []
-        if is_torchao(cfg.fp8.recipe):
-            from ..components import float8
-
-            also = float8.outside_units(model, spec.unit_modules)
-        forward_model, compile_line = compile_model(model, spec.unit_modules, also)
+        forward_model, compile_line = compile_model(model, spec.unit_modules)
     else:
         forward_model, compile_line = model, ""
     optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda"))

@@ -112,6 +112,21 @@ def test_rows_render_in_bench_results(tmp_path, monkeypatch):
     assert 0.30 < tt["mfu"] < 0.40
 
 
+def test_merged_rows_keep_the_machine_they_ran_on(tmp_path, monkeypatch):
+    """A call that got an H100 adds rows marked as such; the header keeps the H200 the others ran on."""
+    monkeypatch.setattr(bench, "OUT", tmp_path)
+    bench.save_results({"device": "1x NVIDIA H200", "runs": {}})
+    ours = dict(bp.ENTRIES["mfsdp_compile_graph"], group=bp.GROUP, kind="launcher", fp8_params=False, world=1,
+                ok=True, tokens_per_s_per_gpu=52_148.0, mfu=0.47, peak_mem_gib=47.9)
+    rows = tmp_path / bp.ROWS
+    rows.write_text(json.dumps({"device": "1x NVIDIA H100 80GB HBM3", "runs": {ours["name"]: ours}}))
+    assert bp.merge([str(rows)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["device"] == "1x NVIDIA H200" and res["runs"][ours["name"]]["device"] == "1x NVIDIA H100 80GB HBM3"
+    md = (tmp_path / "results.md").read_text()
+    assert "# Throughput (1x NVIDIA H200)" in md and "| 1 (NVIDIA H100 80GB HBM3) | 52,148 |" in md
+
+
 def test_every_launcher_entry_passes_validation():
     """No bench entry is refused before it spawns (the device call would be wasted)."""
     import bench_small

@@ -65,19 +65,3 @@ def test_convert_turns_on_the_experts_fp8_grouped_gemm_where_it_applies():
     model, found = experts(ffn_dim=40)  # not a multiple of 16
     assert float8.convert(model, FP8Config(recipe="torchao_rowwise")) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
     assert not any(m.fp8 for m in found.values())
-
-
-def test_the_fp8_head_outside_the_blocks_is_compiled_on_its_own():
-    """train.compile compiles each block; the converted head lies outside them, so it is compiled by
-    itself (else its casts to FP8 run eagerly); a skipped head is not FP8, so nothing extra."""
-    from mfsdp_launch.models.compile import compile_model
-
-    spec, model = _gpt()
-    float8.convert(model, FP8Config(recipe="torchao_rowwise"), emulate=True)
-    outside = float8.outside_units(model, spec.unit_modules)
-    assert outside == [model.lm_head]
-    _, line = compile_model(model, spec.unit_modules, outside)
-    assert "forward" in vars(model.lm_head) and "2 Block unit(s)" in line and "1 FP8 layer(s) outside them" in line
-    spec, skipped = _gpt()
-    float8.convert(skipped, FP8Config(recipe="torchao_rowwise", skip=["lm_head"]))
-    assert float8.outside_units(skipped, spec.unit_modules) == []
