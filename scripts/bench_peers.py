@@ -88,9 +88,10 @@ ENTRIES: Dict[str, dict] = {
     "mfsdp_compile_mbs8": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs8_compile", kind="launcher",
                                engine="megatron_fsdp", extra=["train.compile=true"], **dict(LLAMA, model="gpt", mbs=8)),
     # A full-iteration CUDA graph over the compiled blocks: one replay a step launches forward,
-    # loss, backward and the engine's reduction, so the host's Python (Megatron-FSDP's hooks, Dynamo's
-    # guards, ~15 ms of a compiled step in session 23's trace) no longer paces the GPU. torchtitan's
-    # own CUDA graphs cannot run on this torch (tt_bench.py says why), so its best here is tt_compile.
+    # loss, backward and the engine's reduction, so no host Python (Megatron-FSDP's hooks, Dynamo's
+    # guards) runs between them. One H100 (session 28): 0.99x mfsdp_compile, whose step already keeps
+    # that GPU busy; the H200 pair is not measured. torchtitan's own CUDA graphs cannot run on this
+    # torch (tt_bench.py says why), so its best here is tt_compile.
     "mfsdp_compile_graph": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_graph", kind="launcher",
                                 engine="megatron_fsdp", extra=["train.compile=true", "train.cuda_graph=full_iteration"],
                                 **dict(LLAMA, model="gpt")),

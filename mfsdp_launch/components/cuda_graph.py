@@ -118,6 +118,9 @@ class FullIterationCudaGraph:
         torch.cuda.synchronize()
         if dist.is_initialized():
             dist.barrier(group=self.process_group)
+        if not dist.is_initialized() or dist.get_rank() == 0:  # the run says the graph is in use
+            print(f"train.cuda_graph: full_iteration: step {self.step + 1} captured after {self.warmup_iters} "
+                  "warm-up iterations at LR 0; every step replays it", flush=True)
 
     # -------------------------------------------------------------------- replay
 

@@ -46,7 +46,10 @@ def test_full_iteration_graph_gives_the_ungraphed_losses(request, graph, ref):
     cfg = r.config()
     assert str(cfg.train.cuda_graph) == "full_iteration" and str(cfg.optim.impl) == "torch"
     assert cfg.train.compile is (graph == "cg_compile_graph")
-    assert_close(r.losses(), want, range(1, STEPS + 1), rel=1e-2, what=f"{graph} vs {ref}")
+    assert "train.cuda_graph: full_iteration: step 1 captured" in r.stdout, r.tail()
+    # The replays run the un-graphed step's kernels in its order: the same losses to the bit
+    # (seen on one H100, 2026-12-06).
+    assert_close(r.losses(), want, range(1, STEPS + 1), rel=1e-6, what=f"{graph} vs {ref}")
 
 
 @uses("cg_compile_graph", "cg_compile_graph_c")
@@ -54,7 +57,7 @@ def test_compiled_graph_run_resumes_with_the_uninterrupted_losses(request):
     a = G.get(request, "cg_compile_graph").ok()
     assert (a.run_dir / "checkpoints" / f"step_{STEPS}" / "manifest.json").is_file()
     r = G.get(request, "cg_compile_graph_c").ok()
-    assert "resuming from step 4" in r.stdout, r.tail()
+    assert "resuming from step 4" in r.stdout and "full_iteration: step 5 captured" in r.stdout, r.tail()
     got = r.losses()
     assert sorted(got) == list(range(5, STEPS + 1)), sorted(got)
-    assert_close(got, a.losses(), range(5, STEPS + 1), rel=1e-3, what="compiled graph resumed vs uninterrupted")
+    assert_close(got, a.losses(), range(5, STEPS + 1), rel=1e-6, what="compiled graph resumed vs uninterrupted")
