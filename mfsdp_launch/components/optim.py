@@ -45,8 +45,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     return groups
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg, *, fused_ok: bool = False) -> torch.optim.Optimizer:
-    """`fused_ok`: optim.impl=torch may pick torch's fused AdamW (the worker passes: on CUDA)."""
+def build_optimizer(model: torch.nn.Module, optim_cfg, *, fused_ok: bool = False,
+                    decoupled_grad: bool = False) -> torch.optim.Optimizer:
+    """`fused_ok`: optim.impl=torch may pick torch's fused AdamW (the worker passes: on CUDA).
+    `decoupled_grad`: the engine puts gradients in `param.decoupled_grad` (engine.use_decoupled_grad;
+    validation allows it with TE's FusedAdam only), so FusedAdam reads them there."""
     kwargs = dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
     if OptimName(getattr(optim_cfg, "name", OptimName.adamw)) is OptimName.muon:
         from .muon import Muon, muon_groups
@@ -64,7 +67,7 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, *, fused_ok: bool = False
     if impl is OptimImpl.te_fused:
         from transformer_engine.pytorch.optimizers import FusedAdam
 
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+        return FusedAdam(groups, adam_w_mode=True, use_decoupled_grad=decoupled_grad, **kwargs)
     if impl is OptimImpl.fused:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     if impl is OptimImpl.foreach:

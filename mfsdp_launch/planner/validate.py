@@ -372,6 +372,10 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
         raise ConfigError("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     if o.impl == OptimImpl.te_fused and not caps.te_fused_optim:
         raise ConfigError("optim.impl", f"te_fused (TE FusedAdam) is not wired for engine={caps.name}", "torch")
+    if "use_decoupled_grad" in cfg.engine and cfg.engine.use_decoupled_grad and o.impl != OptimImpl.te_fused:
+        raise ConfigError("engine.use_decoupled_grad", "true puts the reduced gradients in param.decoupled_grad, "
+                          f"which only TE's FusedAdam reads: optim.impl={o.impl} would find no gradients and "
+                          "never update a weight", "false, or optim.impl=te_fused")
     if t.cuda_graph == CudaGraphMode.full_iteration:
         _check_cuda_graph(cfg, caps)
     warnings = []

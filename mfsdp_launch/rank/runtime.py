@@ -154,7 +154,9 @@ def build_training(cfg, rt: Runtime) -> Training:
         forward_model, compile_line = compile_model(model, spec.unit_modules)
     else:
         forward_model, compile_line = model, ""
-    optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda"))
+    decoupled = bool(cfg.engine.get("use_decoupled_grad", False))
+    optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda",
+                                                             decoupled_grad=decoupled))
     if is_torchao(cfg.fp8.recipe):
         from ..components import float8
 

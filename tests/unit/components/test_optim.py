@@ -70,6 +70,30 @@ def test_optim_impl_picks_the_adamw_kernel(impl, flag):
     assert build_optimizer(torch.nn.Linear(4, 4), OptimConfig()).defaults["fused"] is None  # torch's own choice
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_te_fusedadam_reads_the_gradients_where_the_engine_puts_them(monkeypatch, decoupled):
+    """engine.use_decoupled_grad=true installs gradients in param.decoupled_grad; TE's FusedAdam reads
+    them there only when built with use_decoupled_grad=True (TE itself is GPU-only: a stand-in class
+    records the arguments the launcher passes)."""
+    import sys
+    import types
+
+    import torch
+
+    from mfsdp_launch.components.optim import build_optimizer
+
+    class FusedAdam(torch.optim.AdamW):
+        def __init__(self, params, adam_w_mode, use_decoupled_grad=False, **kw):
+            super().__init__(params, **kw)
+            self.use_decoupled_grad = use_decoupled_grad
+
+    module = types.ModuleType("transformer_engine.pytorch.optimizers")
+    module.FusedAdam = FusedAdam
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.optimizers", module)
+    opt = build_optimizer(torch.nn.Linear(4, 4), OptimConfig(impl="te_fused"), decoupled_grad=decoupled)
+    assert isinstance(opt, FusedAdam) and opt.use_decoupled_grad is decoupled
+
+
 def test_newton_schulz_orthogonalizes_and_one_muon_step_follows_its_formula():
     import torch
 

@@ -148,6 +148,7 @@ REFUSALS = [
      "model.loss_kernel"),
     (["optim.lr=0"], "optim.lr"),
     (["optim.impl=te_fused"], "optim.impl"),
+    (["engine=megatron_fsdp", "engine.use_decoupled_grad=true"], "engine.use_decoupled_grad"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
     # checkpoint
     (["checkpoint.resume=sometimes"], "checkpoint.resume"),
