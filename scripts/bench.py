@@ -371,10 +371,10 @@ def _model(r: dict) -> str:
 
 def _gpus(r: dict, res: dict) -> str:
     """The row's GPU count, with its machine where it is not the one the header names."""
-    device = r.get("device")
-    if not device or device.split("x ", 1)[-1] == str(res.get("device", "")).split("x ", 1)[-1]:
+    card = str(r.get("device") or "").split("x ", 1)[-1]  # "1x NVIDIA H100 ..." -> "NVIDIA H100 ..."
+    if not card or card == str(res.get("device", "")).split("x ", 1)[-1]:
         return str(r["world"])
-    return f"{r['world']} ({device.split('x ', 1)[-1]})"
+    return f"{r['world']} ({card})"
 
 
 def render(res: dict) -> None:

@@ -372,7 +372,7 @@ def _check_train(cfg, caps: EngineCaps) -> List[str]:
         raise ConfigError("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     if o.impl == OptimImpl.te_fused and not caps.te_fused_optim:
         raise ConfigError("optim.impl", f"te_fused (TE FusedAdam) is not wired for engine={caps.name}", "torch")
-    if "use_decoupled_grad" in cfg.engine and cfg.engine.use_decoupled_grad and o.impl != OptimImpl.te_fused:
+    if cfg.engine.get("use_decoupled_grad", False) and o.impl != OptimImpl.te_fused:
         raise ConfigError("engine.use_decoupled_grad", "true puts the reduced gradients in param.decoupled_grad, "
                           f"which only TE's FusedAdam reads: optim.impl={o.impl} would find no gradients and "
                           "never update a weight", "false, or optim.impl=te_fused")
