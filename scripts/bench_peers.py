@@ -128,6 +128,29 @@ ENTRIES.update({
     "moe_dense_twin": dict(name="peers_mfsdp_qwen3dense_l4_bf16_mbs2", kind="launcher", engine="megatron_fsdp",
                            extra=["model.moe.experts=0"], **dict(MOE, model="gpt")),
 })
+# Issue 26 on ONE GPU: torchao float8 rowwise against bf16, both compiled, on Llama-3 8B's first 8
+# layers at seq 8192 (mbs 1), torchtitan's own 8B (bench/peers/tt_llama3_8b_slice.py, its
+# Float8LinearConverter) next to our gpt 8b slice under FSDP2 (bench/matrix.yaml's torchao_fp8
+# group, as peers). The head stays bf16 in torchtitan's rows and in ao8b_rowwise; ao8b_rowwise_head
+# puts it in FP8 too, compiled on its own (models/compile.py's `also`). `--only tt_8b --only ao8b
+# --only tt_8b_rowwise --only ao8b_rowwise --only ao8b_rowwise_head` (about 8 minutes).
+SLICE_8B = dict(preset="8b", n_layers=8, seq=8192, mbs=1, world=1)
+TT_8B = dict(kind="tt", module="tt_llama3_8b_slice", parser="torchtitan", model="llama3",
+             flags=["--training.disable_cuda_graphs", "--compile.enable"], engine="torchtitan 0.3.0 FSDP2 + compile",
+             **SLICE_8B)
+OURS_8B = dict(kind="launcher", model="gpt", engine="fsdp2", **SLICE_8B)
+ENTRIES.update({
+    "tt_8b": dict(name="peer_torchtitan_8b_l8_s8192_bf16_compile", config="llama3_8b_slice", log="tt_8b.log",
+                  precision="bf16", **TT_8B),
+    "tt_8b_rowwise": dict(name="peer_torchtitan_8b_l8_s8192_rowwise_compile", config="llama3_8b_slice_rowwise",
+                          log="tt_8b_rowwise.log", precision="torchao_rowwise", **TT_8B),
+    "ao8b": dict(name="peers_fsdp2_gpt_8b_l8_s8192_bf16_compile", precision="bf16", extra=["train.compile=true"],
+                 **OURS_8B),
+    "ao8b_rowwise": dict(name="peers_fsdp2_gpt_8b_l8_s8192_rowwise_compile", precision="torchao_rowwise",
+                         extra=["train.compile=true", "fp8.skip=[lm_head]"], **OURS_8B),
+    "ao8b_rowwise_head": dict(name="peers_fsdp2_gpt_8b_l8_s8192_rowwise_compile_head", precision="torchao_rowwise",
+                              extra=["train.compile=true"], **OURS_8B),
+})
 DEFAULT = ["tt_nocg", "mfsdp", "am_fsdp2", "fsdp2", "tt_compile", "mfsdp_compile"]
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -226,9 +249,12 @@ def peer_env(kit: Path, logs: Path) -> dict:
 
 
 def tt_install_command(kit: Path) -> List[str]:
-    """run.sh installs torchtitan's wheels into /tmp/ttsite on its first tt call; the same here."""
-    return ["bash", "-c", f"[ -d /tmp/ttsite/torchtitan ] || python3 -m pip install -q --no-index --no-deps "
-            f"--no-compile --target /tmp/ttsite {shlex.quote(str(kit))}/whl/*.whl"]
+    """run.sh installs torchtitan's wheels into /tmp/ttsite on its first tt call; the same here, and
+    the kit's torchao (its Automodel wheels' copy) for torchtitan's float8 converter."""
+    pip = "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ttsite"
+    kit_q = shlex.quote(str(kit))
+    return ["bash", "-c", f"{{ [ -d /tmp/ttsite/torchtitan ] || {pip} {kit_q}/whl/*.whl; }} && "
+            f"{{ [ -d /tmp/ttsite/torchao ] || {pip} {kit_q}/amwhl/torchao-*.whl; }}"]
 
 
 def tt_command(kit: Path, e: dict, steps: int = STEPS) -> List[str]:

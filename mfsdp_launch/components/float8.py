@@ -86,6 +86,13 @@ def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emula
         config = _replace(config, enable_fsdp_float8_all_gather=True)
     if emulate:
         config = _replace(config, emulate=True)
+    if recipe is FP8Recipe.torchao_rowwise:
+        # Compiled rowwise casts must round as eager does: a recomputed (activation-checkpointed)
+        # cast that rounds otherwise feeds backward other values (NaN losses: torchtitan #1056,
+        # pytorch #150859; torchtitan sets the same for this recipe).
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
     kept = [name for name, m in modules.items() if isinstance(m, nn.Linear) and not _eligible(m, name, skipped)]
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: _eligible(m, fqn, skipped))
     for name, m in modules.items():  # a family's grouped experts: torchao's FP8 grouped GEMM (rowwise)
@@ -126,6 +133,16 @@ def after_optimizer_steps(model: "torch.nn.Module", optimizer, fp8_cfg, *, all_g
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+
+
+def outside_units(model: "torch.nn.Module", unit_classes: Sequence[type]) -> List["torch.nn.Module"]:
+    """The Float8Linear layers that no unit holds (a converted head): train.compile compiles the
+    units, so these would cast eagerly, one kernel per op over [tokens, out_features] tensors."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    classes = tuple(unit_classes)
+    inside = {id(m) for unit in model.modules() if classes and isinstance(unit, classes) for m in unit.modules()}
+    return [m for m in model.modules() if isinstance(m, Float8Linear) and id(m) not in inside]
 
 
 def uses_torchao(fp8_cfg) -> bool:

@@ -151,7 +151,12 @@ def build_training(cfg, rt: Runtime) -> Training:
     if cfg.train.compile:
         from ..models.compile import compile_model
 
-        forward_model, compile_line = compile_model(model, spec.unit_modules)
+        also = []
+        if is_torchao(cfg.fp8.recipe):
+            from ..components import float8
+
+            also = float8.outside_units(model, spec.unit_modules)
+        forward_model, compile_line = compile_model(model, spec.unit_modules, also=also)
     else:
         forward_model, compile_line = model, ""
     decoupled = bool(cfg.engine.get("use_decoupled_grad", False))

@@ -63,6 +63,9 @@ for _r in RECIPES:
     G.train(f"tool_gpt_{_r}", *GPT, *BF16, "engine=fsdp2", "train.steps=8", f"fp8.recipe={_r}", "fp8.skip=[lm_head]")
     G.train(f"tool_gpt_{_r}_compile", *GPT, *BF16, "engine=fsdp2", "train.steps=8", f"fp8.recipe={_r}", "fp8.skip=[lm_head]",
             "train.compile=true", timeout=480)
+# The head in FP8 too: compiled on its own, outside the blocks (models/compile.py's `also`).
+G.train("tool_gpt_torchao_rowwise_compile_head", *GPT, *BF16, "engine=fsdp2", "train.steps=8",
+        "fp8.recipe=torchao_rowwise", "train.compile=true", timeout=480)
 G.train("tool_hf_bf16", *HF, *BF16, "engine=fsdp2", "train.steps=8")
 G.train("tool_hf_torchao_rowwise", *HF, *BF16, "engine=fsdp2", "train.steps=8", "fp8.recipe=torchao_rowwise",
         "fp8.skip=[lm_head]")
@@ -147,6 +150,17 @@ def test_torchao_fp8_trains_as_bf16_does(request, recipe, compiled):
     assert got[0] != ref[1], "the FP8 run's first loss equals bf16's: no layer ran in FP8"
     # the first steps, while the loss is large: later ones sit near 0 on the one-window text
     assert_close(r.losses(), ref, range(1, 5), rel=0.05, what=f"{recipe}{tail} vs bf16")
+
+
+@uses("tool_gpt_bf16_compile", "tool_gpt_torchao_rowwise_compile_head")
+def test_a_compiled_fp8_head_trains_as_bf16_does(request):
+    _fp8_gpu()
+    ref = G.get(request, "tool_gpt_bf16_compile").ok().losses()
+    r = G.get(request, "tool_gpt_torchao_rowwise_compile_head").ok()
+    assert "2 Block unit(s) compiled in place" in r.console and "1 Float8Linear outside them" in r.console, r.tail()
+    got = assert_learns(r.losses(), 8, min_drop=0.5, what="rowwise, head in FP8")
+    assert got[0] != ref[1], "the FP8 run's first loss equals bf16's: no layer ran in FP8"
+    assert_close(r.losses(), ref, range(1, 5), rel=0.05, what="rowwise compiled head vs bf16")
 
 
 @uses("tool_hf_bf16", "tool_hf_torchao_rowwise")
