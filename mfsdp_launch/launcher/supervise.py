@@ -125,6 +125,11 @@ class Console:
                 # The terminal went away (SIGHUP) or the reader of a pipe left: the log still gets
                 # everything, and what is buffered for the terminal goes to /dev/null.
                 detach_dead_terminal()
+            except RuntimeError:
+                # A signal handler's line while this thread was inside a write to the same stream
+                # ("reentrant call inside <_io.BufferedWriter>"): the log has it; the terminal
+                # misses one line rather than the launcher failing.
+                pass
 
     def out(self, line: str) -> None:
         self.write(line + "\n", sys.stdout)
@@ -139,6 +144,8 @@ class Console:
                     self.log.write(text)
                 except OSError:  # its disk is full: the console still shows everything
                     self.log = None
+                except RuntimeError:  # Ctrl-Z's handler inside this thread's write: one line lost
+                    pass
 
     def close(self) -> None:
         if self.log is not None:
@@ -284,14 +291,19 @@ class Supervisor:
         self.progress = progress  # launcher/progress.py's ProgressBar, or None
         self.proc: Optional[subprocess.Popen] = None
         self.result = Supervised(rc=-1)
+        # What the signal handler has to say, printed by the main thread's loop: a handler that
+        # wrote itself could land inside the main thread's write to the same stream or log file,
+        # and Python raises there ("reentrant call"), ending the launcher with exit 1.
+        self._said: List[str] = []
         self._old = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
         self._old[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._on_pause)
 
     def restore_signals(self) -> None:
-        """The handlers from before this supervisor (idempotent)."""
+        """The handlers from before this supervisor (idempotent), and what the last signals said."""
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
+        self.say_pending()
 
     def _on_pause(self, _signum, _frame) -> None:
         """Ctrl-Z: SIGSTOP to torchrun and the ranks, then to the launcher; SIGCONT (fg, bg)
@@ -317,18 +329,24 @@ class Supervisor:
                 (self.run_dir / rundir.STOP).touch()
             except OSError:
                 pass
-            self.console.err(f"mfsdp-train: {name}: finishing the step, saving a checkpoint and stopping "
-                             "(signal again to abort)")
+            self._said.append(f"mfsdp-train: {name}: finishing the step, saving a checkpoint and stopping "
+                              "(signal again to abort)")
         elif not self.result.aborted:
             self.result.aborted = True
-            self.console.err(f"mfsdp-train: {name} again: aborting (killing torchrun and the ranks)")
+            self._said.append(f"mfsdp-train: {name} again: aborting (killing torchrun and the ranks)")
             if self.proc is not None:
                 kill_tree(self.proc.pid)
+
+    def say_pending(self) -> None:
+        """The signal handler's lines, from the main thread (see __init__)."""
+        while self._said:
+            self.console.err(self._said.pop(0))
 
     def run(self) -> Supervised:
         router = OutputRouter(self.console)
         try:
             if self.result.stop_requested:  # asked to stop before anything started: start nothing
+                self.say_pending()
                 self.result.rc = 0
                 return self.result
             if self.progress is not None:
@@ -347,6 +365,7 @@ class Supervisor:
         router.join()
         if self.progress is not None:
             self.progress.stop()
+        self.say_pending()
         if self.rank_logs is not None:
             self.rank_logs.link()
         text = "".join(router.torchrun_lines)
@@ -364,6 +383,7 @@ class Supervisor:
 
     def _wait(self) -> None:
         while True:
+            self.say_pending()
             try:
                 self.proc.wait(timeout=0.5)
                 return
