@@ -81,7 +81,8 @@ ENTRIES: Dict[str, dict] = {
     # On one GPU nothing needs sharding (torchtitan 0.3.0 still applies FSDP2 at shard degree 1, for
     # its mixed-precision policy). Megatron-FSDP's ZeRO-3 copies each gradient into a bucket,
     # reduce-scatters it over the one rank and adds it into its buffer; ZeRO-0 (no_shard) adds it
-    # into the buffer directly and skips the per-block unshard/reshard. Not measured yet.
+    # into the buffer directly and skips the per-block unshard/reshard. One H100 (session 29): 0.98x
+    # mfsdp_compile in the same call, so ZeRO-3 stays the default.
     "mfsdp_compile_z0": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_z0", kind="launcher", engine="megatron_fsdp",
                              extra=["train.compile=true"], zero=0, init_on_meta=False, **dict(LLAMA, model="gpt")),
     # Our best settings against torchtitan's best (compile): twice the micro-batch fits easily (50 GiB).
@@ -89,8 +90,8 @@ ENTRIES: Dict[str, dict] = {
                                engine="megatron_fsdp", extra=["train.compile=true"], **dict(LLAMA, model="gpt", mbs=8)),
     # A full-iteration CUDA graph over the compiled blocks: one replay a step launches forward,
     # loss, backward and the engine's reduction, so no host Python (Megatron-FSDP's hooks, Dynamo's
-    # guards) runs between them. One H100 (session 28): 0.99x mfsdp_compile, whose step already keeps
-    # that GPU busy; the H200 pair is not measured. torchtitan's own CUDA graphs cannot run on this
+    # guards) runs between them. One H100: 0.99x mfsdp_compile (sessions 28 and 29), whose step
+    # already keeps that GPU busy; the H200 pair is not measured. torchtitan's own CUDA graphs cannot run on this
     # torch (tt_bench.py says why), so its best here is tt_compile.
     "mfsdp_compile_graph": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_graph", kind="launcher",
                                 engine="megatron_fsdp", extra=["train.compile=true", "train.cuda_graph=full_iteration"],
