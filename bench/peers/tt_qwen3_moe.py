@@ -17,14 +17,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from tt_bench import NullTokenizer, SyntheticDataLoader  # the kit's: staged in .peers/
+from tt_slice import trainer_config  # bench/peers/: the config both slices share
 
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
-from torchtitan.components.validate import Validator
-from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.models.qwen3 import model_registry
 from torchtitan.trainer import Trainer
 
@@ -36,22 +30,4 @@ def qwen3_30b_a3b_slice() -> Trainer.Config:
     spec = model_registry("30B-A3B", attn_backend=os.environ.get("TT_ATTN", "flex"))
     spec = dataclasses.replace(spec, flavor=f"30B-A3B_l{layers}",
                                model=dataclasses.replace(spec.model, layers=spec.model.layers[:layers]))
-    return Trainer.Config(
-        model_spec=spec,
-        hf_assets_path=".",
-        dump_folder=os.environ.get("TT_DUMP", "./tt_outputs"),
-        tokenizer=NullTokenizer.Config(vocab_size=VOCAB),
-        dataloader=SyntheticDataLoader.Config(vocab_size=VOCAB),
-        loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB),  # tt_bench.py says why not the chunked loss
-        optimizer=default_adamw(lr=3e-4),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10, decay_type="cosine"),
-        training=TrainingConfig(local_batch_size=2, seq_len=4096, steps=40, disable_cuda_graphs=True,
-                                mixed_precision_param="bfloat16", mixed_precision_reduce="float32"),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=-1,
-                                      spmd_backend=os.environ.get("TT_SPMD", "partial_dtensor")),
-        metrics=MetricsProcessor.Config(log_freq=5),
-        checkpoint=CheckpointManager.Config(enable=False),
-        activation_checkpoint=None,
-        compile=CompileConfig(enable=False),
-        validator=Validator.Config(enable=False),
-    )
+    return trainer_config(spec, VOCAB, local_batch_size=2, seq_len=4096)
