@@ -249,7 +249,7 @@ def _run_torchrun(cfg, config_path: Path, lock) -> int:
         line = summary_line(end, cfg.train.steps, wall, run_dir, why=_why(end.code, result))
         (console.out if end.code == exit_codes.OK else console.err)(line)
         return end.code
-    except BaseException:
+    except Exception:
         # The launcher's own failure: its traceback also goes to launcher.log, since the terminal
         # that would show it may be gone (a closed window is how the launcher often ends).
         import traceback
