@@ -136,6 +136,9 @@ G.train("te_fused_loss", *TE, *ONCE, "model.loss_kernel=te_fused", needs_te=True
 G.train("gpt_graph", *GRAPH, "train.cuda_graph=full_iteration", needs_te=True)
 G.train("gpt_eager_fusedadam", *GRAPH, "checkpoint.save_final=false", needs_te=True)
 G.train("te_mxfp8", *TE, *ONCE, "fp8.recipe=mxfp8", needs_te=True)
+# Megatron-FSDP's gradients in param.decoupled_grad: TE's FusedAdam must read them there (session
+# 28's fix; before it no weight moved).
+G.train("gpt_decoupled_grad", *GRAPH, "checkpoint.save_final=false", "engine.use_decoupled_grad=true", needs_te=True)
 
 
 def _recipe_run(recipe: str) -> str:
@@ -212,6 +215,16 @@ def test_te_cli_full_iteration_cuda_graph_gives_the_eager_losses(request, te_gpu
     assert str(r.config().train.cuda_graph) == "full_iteration"
     assert_close(r.losses(), ref, range(1, STEPS + 1), rel=1e-2, what="CUDA graph vs eager")
     assert (r.run_dir / "checkpoints" / f"step_{STEPS}" / "manifest.json").is_file()
+
+
+@uses("gpt_eager_fusedadam", "gpt_decoupled_grad")
+def test_te_cli_decoupled_grads_train_as_main_grads_do(request, te_gpu):
+    ref = G.get(request, "gpt_eager_fusedadam").ok().losses()
+    r = G.get(request, "gpt_decoupled_grad").ok()
+    assert r.config().engine.use_decoupled_grad is True
+    assert_learns(r.losses(), STEPS, min_drop=0.5, what="use_decoupled_grad")
+    # The same fp32 gradients, read from another attribute: the same updates.
+    assert_close(r.losses(), ref, range(1, STEPS + 1), rel=1e-5, what="decoupled_grad vs main_grad")
 
 
 @uses("te_mxfp8")
