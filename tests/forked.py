@@ -28,7 +28,7 @@ from typing import Optional
 # What the children import anyway; a module missing here (an optional extra) is skipped by the server.
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch._dynamo", "torch.distributed.checkpoint",
            "torch.distributed.tensor", "transformers.modeling_utils", "mfsdp_launch.launcher.cli",
-           "mfsdp_launch.launcher.supervise", "mfsdp_launch.planner", "mfsdp_launch.rank.worker", "mfsdp_launch.rank.runtime", "mfsdp_launch.rank.loop",
+           "mfsdp_launch.launcher.supervise", "mfsdp_launch.launcher.output", "mfsdp_launch.planner", "mfsdp_launch.rank.worker", "mfsdp_launch.rank.runtime", "mfsdp_launch.rank.loop",
            "helpers", "forked"]
 
 _context = None

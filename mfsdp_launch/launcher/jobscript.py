@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 from ..core import exit_codes, rundir
 from ..core.rank_env import diagnostics_env, rank_module
-from .supervise import PREFIX_TEMPLATE
+from .output import PREFIX_TEMPLATE
 
 
 def environment(run_dir: str, nproc: int, cpus: str, pythonpath: Optional[str] = None,

@@ -219,7 +219,8 @@ def _command_line() -> str:
 def _run_torchrun(cfg, config_path: Path, lock) -> int:
     from .runstate import ending, read_metrics, rows_of_this_run, summary_line
     from .progress import ProgressBar, wanted as progress_wanted
-    from .supervise import Console, RankLogLinks, Supervisor, torchrun_env
+    from .output import Console, RankLogLinks
+    from .supervise import Supervisor, torchrun_env
 
     run_dir, lc = config_path.parent, cfg.launcher
     console = Console(launcher_log(run_dir, lc.node_rank))

@@ -3,7 +3,7 @@ total, the estimate and the same hint as the pre-spawn check) instead of a wall 
 
 The loop tags an escaping exception with the step it happened in (`note_step`); the worker asks
 `is_oom` and prints `oom_line` as the first line of its failure block, then the traceback, which
-the launcher keeps for run.dir/logs/ only (launcher/supervise.py shows a block that starts with `LINE_RE`
+the launcher keeps for run.dir/logs/ only (launcher/output.py shows a block that starts with `LINE_RE`
 as its first line). Imports no torch at module level: the launcher reads `LINE_RE`.
 """
 

@@ -6,7 +6,8 @@ printed by the main thread instead."""
 import io
 import signal
 
-from mfsdp_launch.launcher.supervise import Console, Supervisor
+from mfsdp_launch.launcher.output import Console
+from mfsdp_launch.launcher.supervise import Supervisor
 
 
 class _Reentrant(io.StringIO):
