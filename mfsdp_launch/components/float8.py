@@ -135,13 +135,12 @@ def after_optimizer_steps(model: "torch.nn.Module", optimizer, fp8_cfg, *, all_g
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
 
 
-def outside_units(model: "torch.nn.Module", unit_classes: Sequence[type]) -> List["torch.nn.Module"]:
-    """The Float8Linear layers that no unit holds (a converted head): train.compile compiles the
-    units, so these would cast eagerly, one kernel per op over [tokens, out_features] tensors."""
+def outside(model: "torch.nn.Module", units: Sequence["torch.nn.Module"]) -> List["torch.nn.Module"]:
+    """The Float8Linear layers that none of `units` holds (a converted head): train.compile compiles
+    the units, so these would cast eagerly, one kernel per op over [tokens, out_features] tensors."""
     from torchao.float8.float8_linear import Float8Linear
 
-    classes = tuple(unit_classes)
-    inside = {id(m) for unit in model.modules() if classes and isinstance(unit, classes) for m in unit.modules()}
+    inside = {id(m) for unit in units for m in unit.modules()}
     return [m for m in model.modules() if isinstance(m, Float8Linear) and id(m) not in inside]
 
 

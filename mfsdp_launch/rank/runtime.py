@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..components import precision
+from ..components import float8, precision
 from ..core.schema import Backend, CudaGraphMode
 from ..engines import engine_caps, get_engine
 from ..engines.base import Engine, apply_freeze
@@ -114,8 +114,6 @@ def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_reci
         spec.peft_line = lora.adapt(spec, model, model_cfg.peft)
         frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     if is_torchao(fp8_cfg.recipe):  # torchao float8: its Float8Linear layers, no TE recipe
-        from ..components import float8
-
         kept = float8.convert(model, fp8_cfg, all_gather=fp8_all_gather)
     else:
         kept = precision.apply_fp8_skip(model, list(fp8_cfg.skip)) if fp8_recipe is not None and fp8_cfg.skip else []
@@ -149,13 +147,11 @@ def build_training(cfg, rt: Runtime) -> Training:
     if qlora.enabled(cfg.model):  # the loaded base's linear layers (but lm_head) into NF4
         spec.peft_line += qlora.quantize_base(model)
     if cfg.train.compile:
+        from ..models.activation_checkpoint import outermost_units
         from ..models.compile import compile_model
 
-        also = []
-        if is_torchao(cfg.fp8.recipe):
-            from ..components import float8
-
-            also = float8.outside_units(model, spec.unit_modules)
+        # torchao's converted head, outside the blocks, is compiled on its own (float8.py says why)
+        also = float8.outside(model, outermost_units(model, spec.unit_modules)) if is_torchao(cfg.fp8.recipe) else []
         forward_model, compile_line = compile_model(model, spec.unit_modules, also=also)
     else:
         forward_model, compile_line = model, ""
@@ -163,8 +159,6 @@ def build_training(cfg, rt: Runtime) -> Training:
     optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda",
                                                              decoupled_grad=decoupled))
     if is_torchao(cfg.fp8.recipe):
-        from ..components import float8
-
         float8.after_optimizer_steps(model, optimizer, cfg.fp8, all_gather=fp8_all_gather)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()
     return Training(spec, model, forward_model, engine, optimizer, scheduler, fp8_recipe, frozen, kept,

@@ -39,19 +39,20 @@ def test_the_head_outside_the_units_is_found_and_compiled_with_them(monkeypatch)
     its FP8 casts run as eager kernels over [tokens, vocab] tensors."""
     import torch._inductor.config as inductor
 
+    from mfsdp_launch.models.activation_checkpoint import outermost_units
     from mfsdp_launch.models.compile import compile_model
 
     monkeypatch.setattr(inductor, "emulate_precision_casts", False)
     spec, model = _gpt()
     float8.convert(model, FP8Config(recipe="torchao_rowwise"))
     assert inductor.emulate_precision_casts  # rowwise: compiled casts round as eager (float8.py says why)
-    outside = float8.outside_units(model, spec.unit_modules)
+    outside = float8.outside(model, outermost_units(model, spec.unit_modules))
     assert outside == [model.lm_head]
     _, line = compile_model(model, spec.unit_modules, also=outside)
     assert "forward" in vars(model.lm_head) and "2 Block unit(s)" in line and "1 Float8Linear outside them" in line
     _, model = _gpt()
     float8.convert(model, FP8Config(recipe="torchao_tensorwise", skip=["lm_head"]))
-    assert float8.outside_units(model, spec.unit_modules) == []  # a head kept in bf16: nothing to add
+    assert float8.outside(model, outermost_units(model, spec.unit_modules)) == []  # a head kept in bf16: nothing to add
 
 
 @pytest.mark.parametrize("recipe", ["torchao_tensorwise", "torchao_rowwise"])
