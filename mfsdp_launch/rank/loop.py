@@ -91,9 +91,11 @@ def defers_verdict(ctx: LoopContext, train_cfg) -> bool:
     waits for the device before the optimizer step and the next forward (a forward whose kernels
     launch slower than they run would otherwise leave the GPU idle every step): when the optimizer
     skips a bad step on the device by itself, and nothing must act on the verdict before the next
-    step: no spike judging (the host's statistics), no captured CUDA-graph step. A model's
-    after_step (MoE) takes the device flag instead of the verdict."""
-    return skips_on_device(ctx.optimizer, ctx.device) and train_cfg.spike_zscore is None and ctx.step_fn is None
+    step: no spike judging (the host's statistics). A captured CUDA-graph step defers too: its
+    optimizer steps eagerly between replays, and a rollback zeroes the gradient views the graph
+    writes instead of freeing them. A model's after_step (MoE) takes the device flag instead of
+    the verdict."""
+    return skips_on_device(ctx.optimizer, ctx.device) and train_cfg.spike_zscore is None
 
 
 def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext) -> TrainState:
@@ -139,7 +141,7 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
         (late_step, late), pending = pending, None
         if settle(late_step, late.result(), applied=True) != ROLLBACK:
             return False
-        ctx.optimizer.zero_grad(set_to_none=True)
+        ctx.optimizer.zero_grad(set_to_none=ctx.step_fn is None)  # a graph's gradient views stay
         if after_step is not None:  # the dropped step's expert loads, cleared
             after_step(model, False)
         roll_back(late_step)

@@ -68,11 +68,26 @@ def token_batch(seed: int) -> dict:
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
 
+class StaticStep:
+    """The loop's contract with a captured iteration (components/cuda_graph.py), run eagerly: each
+    call trains the next step's batch into gradients the loop zeroes but never frees."""
+
+    def __init__(self, model, spec, next_batch):
+        self.model, self.spec, self.next_batch, self.step = model, spec, next_batch, 0
+
+    def __call__(self):
+        loss = self.spec.loss(self.model, self.next_batch(self.step, 0))
+        loss.backward()
+        self.step += 1
+        return loss
+
+
 def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, stop_at=None, nan_at=None,
-        with_state=False, fused=False, spike_zscore=None, moe=False):
+        with_state=False, fused=False, spike_zscore=None, moe=False, graph=False):
     """fused=True: torch's fused AdamW, which skips a bad step on the device, so the loop reads each
     verdict a step late (rank/loop.defers_verdict) unless spike_zscore asks for the host's.
-    moe=True: the tiny MoE gpt (moe_model) on token batches instead of the regression MLP."""
+    moe=True: the tiny MoE gpt (moe_model) on token batches instead of the regression MLP.
+    graph=True: the steps come from a StaticStep, as from a full-iteration CUDA graph."""
     torch.manual_seed(0)
     if moe:
         model, spec = moe_model()
@@ -90,9 +105,10 @@ def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, sto
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     tmp_path.mkdir()
     metrics = MetricsWriter(tmp_path, enabled=True)
+    next_batch = lambda step, micro: make(step) if step != nan_at else bad  # noqa: E731
     ctx = LoopContext(engine=engine, spec=spec, optimizer=opt,
                       scheduler=scheduler,
-                      next_batch=lambda step, micro: make(step) if step != nan_at else bad,
+                      next_batch=next_batch, step_fn=StaticStep(model, spec, next_batch) if graph else None,
                       forward_context=contextlib.nullcontext,
                       device=torch.device("cpu"), world_size=1, dp_size=1, rank=1, peak_tflops=None,
                       metrics=metrics, checkpoints=types.SimpleNamespace(maybe_save=lambda *a, **k: 0.0, due=lambda *a, **k: False),
@@ -167,6 +183,26 @@ def test_a_verdict_read_a_step_late_trains_as_the_host_verdict_does(tmp_path):
     keys = ("step", "loss", "lr", "grad_norm", "bad_steps", "skipped_steps")
     assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in ref_rows]
     assert [r["step"] for r in rows] == [4, 8, 9] and rows[1]["skipped_steps"] == 1
+
+
+def test_a_graphed_step_read_late_trains_as_the_host_verdict_does(tmp_path):
+    # Steps from a captured iteration's contract defer their verdict too: the skipped step 5 and
+    # the rest train as with host verdicts, and the gradients stay allocated (a graph writes into
+    # them), zeroed after every step.
+    late = run(tmp_path / "late", steps=9, log_interval=4, val_interval=0, validate=False, nan_at=4,
+               with_state=True, fused=True, graph=True)
+    host = run(tmp_path / "host", steps=9, log_interval=4, val_interval=0, validate=False, nan_at=4,
+               with_state=True, fused=True, spike_zscore=1e9, graph=True)
+    eager = run(tmp_path / "eager", steps=9, log_interval=4, val_interval=0, validate=False, nan_at=4,
+                with_state=True, fused=True)
+    (rows, params, state, opt, _), (ref_rows, ref, ref_state, _, _) = late, host
+    assert all(torch.equal(a, b) for a, b in zip(params, ref)) and state == ref_state and state.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(params, eager[1]))
+    keys = ("step", "loss", "lr", "grad_norm", "bad_steps", "skipped_steps")
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in ref_rows]
+    assert [r["step"] for r in rows] == [4, 8, 9] and rows[1]["skipped_steps"] == 1
+    grads = [p.grad for p in opt.param_groups[0]["params"]]
+    assert all(g is not None and not g.any() for g in grads)
 
 
 def test_a_moe_step_read_late_moves_the_router_bias_as_the_host_verdict_does(tmp_path):
