@@ -21,25 +21,28 @@ torch = pytest.importorskip("torch")
 NAN_MODULE = "mfsdp_test_nanmodel"
 # The README's model, whose forward returns NaN logits at the 1-based training calls listed in $NAN_CALLS
 # ("4-" means from call 4 on), on the rank $NAN_RANK only (every rank when unset). A call counter,
-# not the step: after a rollback the replayed steps are clean unless listed again.
+# not the step: after a rollback the replayed steps are clean unless listed again. It counts on the
+# device, so a replayed CUDA graph (which runs no Python) counts too; a plain attribute, so no
+# checkpoint holds it and a rollback does not rewind it.
 NAN_SOURCE = '''
 import os
 
+import torch
 import torch.nn as nn
 
-CALLS = [0]
 
-
-def _bad(call):
+def _bad_calls(device):
+    """(the listed calls, the first call of an "N-" range or -1) as device tensors; none listed
+    on ranks other than $NAN_RANK."""
     rank = os.environ.get("NAN_RANK")
-    if rank is not None and rank != os.environ.get("RANK", "0"):
-        return False
-    for part in os.environ.get("NAN_CALLS", "").split(","):
-        if part.endswith("-") and call >= int(part[:-1]):
-            return True
-        if part and not part.endswith("-") and call == int(part):
-            return True
-    return False
+    listed, start = [], -1
+    if rank is None or rank == os.environ.get("RANK", "0"):
+        for part in filter(None, os.environ.get("NAN_CALLS", "").split(",")):
+            if part.endswith("-"):
+                start = int(part[:-1])
+            else:
+                listed.append(int(part))
+    return torch.tensor(listed or [-1], device=device), torch.tensor(start, device=device)
 
 
 class Block(nn.Module):
@@ -65,8 +68,12 @@ class LM(nn.Module):
         logits = self.head(x)
         if logits.is_meta or not self.training:  # a probe of the model, not a training step
             return logits
-        CALLS[0] += 1
-        return logits * float("nan") if _bad(CALLS[0]) else logits
+        if not hasattr(self, "calls"):
+            self.calls = torch.zeros((), dtype=torch.int64, device=logits.device)
+            self.bad_calls, self.bad_from = _bad_calls(logits.device)
+        self.calls += 1
+        bad = torch.isin(self.calls, self.bad_calls) | ((self.bad_from >= 0) & (self.calls >= self.bad_from))
+        return logits * torch.where(bad, float("nan"), 1.0).to(logits.dtype)  # NaN gradients too
 
 
 def build():

@@ -36,54 +36,6 @@ def test_bad_steps_are_skipped_on_the_device_under_megatron_fsdp(tmp_path):
     assert same(*finals) and rows[0] == rows[1] and (rows[0]["skipped_steps"], rows[0]["rollbacks"]) == (4, 1)
 
 
-# The README's model again, made NaN by the device: a replayed CUDA graph runs no Python, so the
-# training forward calls are counted in a device tensor that every replay increments, and the
-# logits turn NaN where that count is one of $NAN_CALLS (created at the first call, on the
-# logits' device; a plain attribute, so no checkpoint holds it and a rollback does not rewind it).
-GRAPH_NAN_MODULE = "mfsdp_test_graph_nanmodel"
-GRAPH_NAN_SOURCE = '''
-import os
-
-import torch
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-
-    def forward(self, x):
-        return x + self.ff(self.norm(x))
-
-
-class LM(nn.Module):
-    def __init__(self, vocab=256, dim=16):
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
-
-    def forward(self, input_ids):
-        x = self.emb(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        if logits.is_meta or not self.training:  # a probe of the model, not a training step
-            return logits
-        if not hasattr(self, "calls"):
-            bad = [int(c) for c in os.environ["NAN_CALLS"].split(",")]
-            self.calls = torch.zeros((), dtype=torch.int64, device=logits.device)
-            self.bad_calls = torch.tensor(bad, dtype=torch.int64, device=logits.device)
-        self.calls += 1
-        return torch.where(torch.isin(self.calls, self.bad_calls), float("nan"), logits)
-
-
-def build():
-    return LM()
-'''
-
-
 def test_bad_steps_under_a_full_iteration_graph_are_read_late_and_rolled_back(tmp_path):
     """train.cuda_graph=full_iteration with torch's fused AdamW reads each verdict a step late, as
     the un-graphed step does: step 2 skipped, steps 6-8 rolled back to step 5 during step 9 (a
@@ -92,20 +44,21 @@ def test_bad_steps_under_a_full_iteration_graph_are_read_late_and_rolled_back(tm
     require_gpus(1)
     import inspect
 
-    from e2e.test_bad_steps_e2e import RUN, same, untimed, weights
+    from e2e.test_bad_steps_e2e import NAN_MODULE, NAN_SOURCE, RUN, same, untimed, weights
     from helpers import cli, train_rows, write_user_module
     from mfsdp_launch.components.cuda_graph import FullIterationCudaGraph
 
-    warmup = inspect.signature(FullIterationCudaGraph).parameters["warmup_iters"].default  # forwards before step 1
-    env = write_user_module(tmp_path / "code", GRAPH_NAN_SOURCE, GRAPH_NAN_MODULE)
-    run_args = [a.replace("mfsdp_test_nanmodel", GRAPH_NAN_MODULE) for a in RUN]
+    # the model counts its calls on the device (a replay runs no Python); the graph's warm-up
+    # iterations call it before step 1
+    warmup = inspect.signature(FullIterationCudaGraph).parameters["warmup_iters"].default
+    env = write_user_module(tmp_path / "code", NAN_SOURCE, NAN_MODULE)
     bad_steps = (2, 6, 7, 8)
     finals, rows = {}, {}
     for name, graph, extra in (("eager", False, []), ("graph_late", True, []),
                                ("graph_host", True, ["train.spike_zscore=1e9"])):
         run = tmp_path / name
         calls = ",".join(str(s + (warmup if graph else 0)) for s in bad_steps)
-        out = cli(*run_args, f"run.dir={run}", "engine=megatron_fsdp", "launcher.nproc_per_node=1",
+        out = cli(*RUN, f"run.dir={run}", "engine=megatron_fsdp", "launcher.nproc_per_node=1",
                   "mesh.dp_shard=1", "train.steps=12", "train.log_interval=12", "checkpoint.interval=1",
                   "checkpoint.keep_last=20", "optim.impl=fused", "precision.main_grads_dtype=fp32",  # a graph's rule
                   *(["train.cuda_graph=full_iteration"] if graph else []),
@@ -120,7 +73,7 @@ def test_bad_steps_under_a_full_iteration_graph_are_read_late_and_rolled_back(tm
         print(f"{name}: step 12 row {rows[name]}")
     assert same(finals["graph_late"], finals["graph_host"]) and rows["graph_late"] == rows["graph_host"]
     assert (rows["graph_late"]["skipped_steps"], rows["graph_late"]["rollbacks"]) == (4, 1)
-    worst = max(((finals["graph_late"][k].float() - v.float()).abs().max() / v.float().abs().max().clamp_min(1e-12)).item()
-                for k, v in finals["eager"].items())
+    worst = max(((finals["graph_late"][k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
+                for k, v in finals["eager"].items())  # fp32 weights
     print(f"graph vs eager: max relative weight difference at step 12: {worst:.2e}")
     assert worst <= 1e-6
