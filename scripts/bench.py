@@ -12,6 +12,7 @@ are rendered to bench/results.md and bench/throughput.png.
   python3 scripts/bench.py --group gpt            # bare loop + both engines on the 1.4B GPT
   python3 scripts/bench.py --group te --group te_profile
   python3 scripts/bench.py --only te8b_opt_ref --only te8b_opt_all3
+  python3 scripts/bench.py --group te8b_l8_more --tag _h100_s30   # rows te8bl8m_all3_h100_s30, ...
   python3 scripts/bench.py --group memory --dry   # the planned runs and their estimates; runs nothing
   python3 scripts/bench.py --report               # re-render md/png from results.json
 
@@ -555,6 +556,7 @@ def main() -> int:
     ap.add_argument("--dry", action="store_true", help="print the planned runs and their memory estimates; run nothing")
     ap.add_argument("--world", type=int, default=2, help="GPUs assumed by --dry (default 2)")
     ap.add_argument("--list", action="store_true", help="print the matrix's groups and entries; run nothing")
+    ap.add_argument("--tag", default="", help="suffix for the row names (keeps rows of other machines and calls apart)")
     a = ap.parse_args()
     if a.list:
         return list_matrix()
@@ -587,9 +589,11 @@ def main() -> int:
                     r = run_launcher(e, world, steps, e.get("log_interval", a.log_interval), log)
                 r.update(est)
                 r["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-                res["runs"][e["name"]] = r
+                r["device"] = res["device"]
+                r["name"] = e["name"] + a.tag
+                res["runs"][r["name"]] = r
                 save_results(res)
-                parts = [e["name"] + ":", "ok" if r.get("ok") else "FAILED"]
+                parts = [r["name"] + ":", "ok" if r.get("ok") else "FAILED"]
                 if r.get("tokens_per_s_per_gpu"):
                     parts.append(f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU")
                 if r.get("mfu"):
