@@ -2,7 +2,8 @@
 skips a non-finite step on the device, so the loop reads each verdict a step late
 (rank/loop.defers_verdict) and never waits for the GPU before the optimizer step; the weights
 across a skipped step stay as they were, and a rollback judged during the next step ends where the
-host's verdicts (train.spike_zscore needs them first) end, to the bit."""
+host's verdicts (train.spike_zscore needs them first) end, to the bit; the same under a
+full-iteration CUDA graph, where it also ends where the un-graphed run does."""
 
 from __future__ import annotations
 
