@@ -3,7 +3,9 @@
     schema.py   typed sections with enums (dtypes.py, sharding.py, fp8.py own their value sets)
     compose.py  Hydra groups + recipes + overrides -> one typed config; freeze / load
     resolve.py  every derived value, filled once
-    validate.py checks only, calling the rules where they live (mesh, sharding, engines, models, data)
+    validate.py checks only, calling the rules where they live (mesh, sharding, engines, models, data);
+                model_checks.py (the family's support answer) and train_checks.py (loop, optimizer)
+                are its two larger parts
     machine.py  what this machine has: installed packages, GPUs
 
 This file imports nothing at import time (the enums' modules are imported by engines/ and models/,
