@@ -571,7 +571,10 @@ def main() -> int:
         if world == 0:
             print("no GPU: nothing to benchmark", file=sys.stderr)
             return 1
-        res["device"] = f"{world}x {torch.cuda.get_device_name(0)}"
+        device = f"{world}x {torch.cuda.get_device_name(0)}"
+        # Each row names its machine; the header keeps the one most rows ran on (as --merge in
+        # bench_peers.py): rows without their own device are rendered as the header's.
+        res.setdefault("device", device)
         todo = [e for e in MATRIX if e["group"] in a.group or e["name"] in a.only]
         OUT.mkdir(exist_ok=True)
         with open(a.log, "a") as log:
@@ -589,7 +592,7 @@ def main() -> int:
                     r = run_launcher(e, world, steps, e.get("log_interval", a.log_interval), log)
                 r.update(est)
                 r["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-                r["device"] = res["device"]
+                r["device"] = device
                 r["name"] = e["name"] + a.tag
                 res["runs"][r["name"]] = r
                 save_results(res)
