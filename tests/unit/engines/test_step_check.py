@@ -1,7 +1,8 @@
 """Engine.check_step on 2 gloo ranks with real FSDP2: one all-reduce gives every rank the same
 global gradient norm (also under no_shard, where the norm has no group of its own and the
 replicas are weighted) and the same verdict when only one rank's loss is not finite, even with
-finite gradients; params_finite sees a non-finite weight on any rank."""
+finite gradients; params_finite sees a non-finite weight on any rank. And set_grad_sync: ZeRO-2
+holds the gathered weights across a step's micro-batches."""
 
 from __future__ import annotations
 
@@ -63,4 +64,45 @@ def _check(rank: int, world: int, zero: str) -> None:
 
 def test_check_step_is_global_and_alike_on_every_rank():
     outs = run_ranks(_check_step_child, 2)
+    assert all(f"rank {r}: ok" in out for r, out in enumerate(outs)), outs
+
+
+def _held_child(rank: int, world: int) -> None:
+    """Between a step's micro-batches ZeRO-2 keeps the weights gathered (plain tensors) and
+    ZeRO-3 reshards them (DTensors); after the step's last micro-batch both are sharded, and the
+    accumulated gradients are those of the whole step."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor
+
+    from mfsdp_launch.core.schema import EngineConfig, PrecisionConfig, ShardingConfig
+    from mfsdp_launch.core.sharding import ZeroStrategy
+    from mfsdp_launch.engines.fsdp2 import FSDP2Engine
+    from mfsdp_launch.mesh import ParallelDims
+
+    dims = ParallelDims(1, world, 1, 1)
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + m)) for m in range(3)]
+    grads = {}
+    for zero in ("optim_grads", "optim_grads_params"):
+        engine = FSDP2Engine(engine_cfg=EngineConfig(), sharding_cfg=ShardingConfig(zero_dp_strategy=ZeroStrategy[zero]),
+                             precision_cfg=PrecisionConfig(compute_dtype="fp32"), dims=dims, mesh=dims.build("cpu"),
+                             device=torch.device("cpu"))
+        torch.manual_seed(0)
+        model = engine.shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                             SimpleNamespace(unit_modules=(nn.Linear,)), init_on_meta=False)
+        held = []
+        for micro, x in enumerate(xs):
+            engine.set_grad_sync(model, micro == len(xs) - 1)
+            model(x).pow(2).mean().backward()
+            held.append(not isinstance(model[0].weight, DTensor))
+        assert held == ([True, True, False] if zero == "optim_grads" else [False, False, False]), (zero, held)
+        grads[zero] = [p.grad.full_tensor() for p in model.parameters()]
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(*grads.values()))
+    print(f"rank {rank}: ok")
+
+
+def test_zero2_holds_the_gathered_weights_across_micro_batches():
+    outs = run_ranks(_held_child, 2)
     assert all(f"rank {r}: ok" in out for r, out in enumerate(outs)), outs
