@@ -130,7 +130,7 @@ def launcher_args(e: dict, world: int, steps: int, log_interval: int, run_dir: P
         args.append(f"model.ac_every={e['ac_every']}")
     if e.get("force"):  # measure what happens past the pre-spawn memory check
         args.append("launcher.force_memory=true")
-    if e["precision"].startswith("torchao_"):  # torchao float8 (no TE, engine=fsdp2): the recipe alone
+    if e["precision"].startswith("torchao_") or e["precision"] == "fused_rowwise":  # FP8 linears, no TE: the recipe alone
         args.append(f"fp8.recipe={e['precision']}")
     elif e["precision"] != "bf16":
         args += [f"fp8.recipe={e['precision']}", f"fp8.params={str(e['fp8_params']).lower()}",

@@ -1,7 +1,10 @@
-"""FP8 without Transformer Engine: torchao float8 training (fp8.recipe=torchao_tensorwise|
-torchao_rowwise) on a model's plain `nn.Linear` layers (gpt, hf, custom), under either engine.
+"""FP8 without Transformer Engine on a model's plain `nn.Linear` layers (gpt, hf, custom), under
+either engine: torchao float8 training (fp8.recipe=torchao_tensorwise|torchao_rowwise), or
+fp8.recipe=fused_rowwise, torchao_rowwise's numerics with our own fused casts (fp8_linear.py:
+the casts are where torchao's rowwise loses its GEMMs' gain).
 
-`convert` swaps each eligible Linear for torchao's `Float8Linear` on the built model, before the
+`convert` swaps each eligible Linear for torchao's `Float8Linear` (fused_rowwise: for a subclass of
+its own class that runs fp8_linear.fp8_linear) on the built model, before the
 family's parallelize and the engine's sharding (torchtitan's order), so activation checkpointing
 and `torch.compile` (train.compile: it fuses the casts, which is where the speed comes from) wrap
 the converted layers. Tensorwise scaling all-gathers the weights in FP8 under FSDP2 (torchao's
@@ -24,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List, Sequence
 
 from ..core.errors import ConfigError
-from ..core.fp8 import FP8Recipe, is_torchao
+from ..core.fp8 import FP8Recipe
 from ..core.fp8_flops import fp8_shape
 from ..core.globs import check_globs_match, matching
 
@@ -35,15 +38,15 @@ INSTALL_HINT = "pip install 'mfsdp-launch[torchao]'"
 RECIPE_NAMES = {FP8Recipe.torchao_tensorwise: "tensorwise", FP8Recipe.torchao_rowwise: "rowwise"}
 
 
-def check_config(fp8, *, supported: Sequence[str], model: str, tp: int, torchao_models: Sequence[str]) -> None:
-    """Refuse a torchao recipe where it cannot run (torch-free). `supported`: the recipes the
+def check_config(fp8, *, supported: Sequence[str], model: str, tp: int, linear_models: Sequence[str]) -> None:
+    """Refuse a linear recipe where it cannot run (torch-free). `supported`: the recipes the
     family's support answer lists under the engine."""
     recipe = str(fp8.recipe)
     if recipe not in supported:
-        raise ConfigError("fp8.recipe", f"{recipe}: model={model} has no plain nn.Linear layers torchao converts",
-                          "none, or model=" + "|".join(torchao_models))
+        raise ConfigError("fp8.recipe", f"{recipe}: model={model} has no plain nn.Linear layers to run in FP8",
+                          "none, or model=" + "|".join(linear_models))
     if tp > 1:
-        raise ConfigError("mesh.tp", f"{tp} with fp8.recipe={recipe}: torchao's FP8 tensor-parallel styles are "
+        raise ConfigError("mesh.tp", f"{tp} with fp8.recipe={recipe}: FP8 tensor-parallel styles are "
                           "not wired here", "1, or fp8.recipe=none")
     if fp8.params:
         raise ConfigError("fp8.params", f"true is TE's FP8 primary weights; {recipe} keeps high-precision weights "
@@ -67,13 +70,13 @@ def _eligible(module, fqn: str, skipped: List[str]) -> bool:
 
 
 def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emulate: bool = False) -> List[str]:
-    """Swap the eligible Linears of `model` for Float8Linear in place and turn on the FP8 grouped
-    GEMMs of its grouped experts (modules with `enable_fp8`); returns the names of the Linears and
-    experts kept in high precision (fp8.skip or a dimension not a multiple of 16). `all_gather`:
-    tensorwise weights all-gather in FP8 (the engine's EngineCaps.torchao_fp8_all_gather).
-    `emulate`: torchao's high-precision emulation (tests on CPU)."""
+    """Put the eligible Linears of `model` in FP8 in place (torchao's Float8Linear, or ours under
+    fused_rowwise) and turn on the FP8 grouped GEMMs of its grouped experts (modules with
+    `enable_fp8`); returns the names of the Linears and experts kept in high precision (fp8.skip
+    or a dimension not a multiple of 16). `all_gather`: tensorwise weights all-gather in FP8 (the
+    engine's EngineCaps.torchao_fp8_all_gather). `emulate`: torchao's high-precision emulation
+    (tests on CPU)."""
     import torch.nn as nn
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     recipe = FP8Recipe(fp8_cfg.recipe)
     modules = {name: m for name, m in model.named_modules() if name}
@@ -81,6 +84,25 @@ def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emula
     if fp8_cfg.skip:
         check_globs_match("fp8.skip", list(fp8_cfg.skip), list(modules), "module")
         skipped = matching(modules, list(fp8_cfg.skip))
+    kept = [name for name, m in modules.items() if isinstance(m, nn.Linear) and not _eligible(m, name, skipped)]
+    if recipe is FP8Recipe.fused_rowwise:
+        from . import fp8_linear
+
+        high = set(kept)
+        fp8_linear.convert(m for name, m in modules.items() if isinstance(m, nn.Linear) and name not in high)
+    else:
+        _convert_torchao(model, recipe, skipped, all_gather=all_gather, emulate=emulate)
+        for name, old in modules.items():
+            _keep_init(old, model.get_submodule(name))
+    for name, m in modules.items():  # a family's grouped experts: torchao's FP8 grouped GEMM (rowwise)
+        if hasattr(m, "enable_fp8") and (_under(name, skipped) or not m.enable_fp8()):
+            kept.append(name)
+    return kept
+
+
+def _convert_torchao(model, recipe: FP8Recipe, skipped: List[str], *, all_gather: bool, emulate: bool) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
     config = Float8LinearConfig.from_recipe_name(RECIPE_NAMES[recipe])
     if recipe is FP8Recipe.torchao_tensorwise and all_gather:
         config = _replace(config, enable_fsdp_float8_all_gather=True)
@@ -93,14 +115,7 @@ def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emula
         import torch._inductor.config
 
         torch._inductor.config.emulate_precision_casts = True
-    kept = [name for name, m in modules.items() if isinstance(m, nn.Linear) and not _eligible(m, name, skipped)]
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: _eligible(m, fqn, skipped))
-    for name, m in modules.items():  # a family's grouped experts: torchao's FP8 grouped GEMM (rowwise)
-        if hasattr(m, "enable_fp8") and (_under(name, skipped) or not m.enable_fp8()):
-            kept.append(name)
-    for name, old in modules.items():
-        _keep_init(old, model.get_submodule(name))
-    return kept
 
 
 def _keep_init(old, new) -> None:
@@ -143,6 +158,3 @@ def outside(model: "torch.nn.Module", units: Sequence["torch.nn.Module"]) -> Lis
     inside = {id(m) for unit in units for m in unit.modules()}
     return [m for m in model.modules() if isinstance(m, Float8Linear) and id(m) not in inside]
 
-
-def uses_torchao(fp8_cfg) -> bool:
-    return is_torchao(fp8_cfg.recipe)

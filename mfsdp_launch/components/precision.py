@@ -6,7 +6,7 @@ from contextlib import nullcontext
 from typing import Optional
 
 from ..core.dtypes import Dtype
-from ..core.fp8 import FP8Recipe, is_torchao, min_capability
+from ..core.fp8 import FP8Recipe, min_capability, on_linears
 from ..core.errors import ConfigError
 from ..core.globs import check_globs_match, matching
 
@@ -38,9 +38,9 @@ def check_fp8_hardware(fp8_cfg) -> None:
 
 
 def build_fp8_recipe(fp8_cfg):
-    """The Transformer Engine recipe object for fp8.recipe, or None (also for torchao's recipes,
+    """The Transformer Engine recipe object for fp8.recipe, or None (also for the linear recipes,
     which convert layers instead: components/float8.py)."""
-    if fp8_cfg.recipe == FP8Recipe.none or is_torchao(fp8_cfg.recipe):
+    if fp8_cfg.recipe == FP8Recipe.none or on_linears(fp8_cfg.recipe):
         return None
     from transformer_engine.common import recipe as te_recipe
 

@@ -1,6 +1,6 @@
 """FP8 recipes and their rules (torch-free). Two kinds: Transformer Engine's recipes act on TE
-layers (components/precision.py builds them); torchao's float8 training converts plain
-`nn.Linear`s (components/float8.py), with no TE at all."""
+layers (components/precision.py builds them); the linear recipes (torchao's float8 training, and
+fused_rowwise, our own casts) convert plain `nn.Linear`s (components/float8.py), with no TE at all."""
 
 from __future__ import annotations
 
@@ -17,14 +17,24 @@ class FP8Recipe(Choice):
     # of weights under FSDP2) or per row (more accurate, high-precision all-gather).
     torchao_tensorwise = "torchao_tensorwise"
     torchao_rowwise = "torchao_rowwise"
+    # torchao's rowwise numerics with the launcher's own fused casts (components/fp8_linear.py):
+    # no TE, no torchao (but for a mixture of experts' grouped GEMMs).
+    fused_rowwise = "fused_rowwise"
 
 
 TE_RECIPES = frozenset({FP8Recipe.delayed, FP8Recipe.current, FP8Recipe.blockwise, FP8Recipe.mxfp8})
 TORCHAO_RECIPES = frozenset({FP8Recipe.torchao_tensorwise, FP8Recipe.torchao_rowwise})
+# The recipes that put a model's plain nn.Linear layers in FP8 (components/float8.py).
+LINEAR_RECIPES = TORCHAO_RECIPES | {FP8Recipe.fused_rowwise}
 
 
 def is_torchao(recipe) -> bool:
     return str(recipe) in {r.value for r in TORCHAO_RECIPES}
+
+
+def on_linears(recipe) -> bool:
+    """Whether `recipe` runs a model's plain nn.Linear layers in FP8 (no TE layers involved)."""
+    return str(recipe) in {r.value for r in LINEAR_RECIPES}
 
 
 class FP8Format(Choice):

@@ -6,13 +6,13 @@ A family lists its matmuls (ModelFamily.matmuls): the module each runs in, its F
   * TE_LAYER: a Transformer Engine linear (te_gpt's fused QKV, projection, MLP and te.Linear head)
     runs in FP8 under any TE recipe;
   * TE_ATTENTION: TE's attention core (QK^T and PV) runs in FP8 only with fp8.attention=true;
-  * LINEAR: a plain nn.Linear that torchao's float8 training converts (fp8.recipe=torchao_*) when
+  * LINEAR: a plain nn.Linear that the linear recipes convert (torchao_*, fused_rowwise) when
     both its dimensions are multiples of FP8_GEMM_MULTIPLE (components/float8.py);
   * GROUPED: a mixture of experts' grouped GEMMs, in torchao's FP8 grouped GEMM under the same
     recipes and the same rule on (dim, ffn) (models/llama/moe_fp8.py);
   * HIGH: never in FP8 (SDPA's attention, a tied head's F.linear on the embedding, a router's matmul).
 Under either kind of recipe a matmul stays in high precision when an fp8.skip glob names its module
-or a module holding it, as components/precision.py (TE) and components/float8.py (torchao) apply it.
+or a module holding it, as components/precision.py (TE) and components/float8.py (the linear recipes) apply it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from .fp8 import FP8_GEMM_MULTIPLE, FP8Recipe, is_torchao
+from .fp8 import FP8_GEMM_MULTIPLE, FP8Recipe, on_linears
 
 TE_LAYER, TE_ATTENTION, LINEAR, GROUPED, HIGH = "te", "te_attention", "linear", "grouped", "high"
 
@@ -51,7 +51,7 @@ def in_fp8(mm: Matmul, fp8) -> bool:
     recipe = str(fp8.recipe)
     if recipe == FP8Recipe.none.value or skipped(mm.module, list(fp8.skip or ())):
         return False
-    if is_torchao(recipe):
+    if on_linears(recipe):
         return mm.fp8_by in (LINEAR, GROUPED) and fp8_shape(*mm.shape)
     return mm.fp8_by == TE_LAYER or (mm.fp8_by == TE_ATTENTION and bool(fp8.attention))
 

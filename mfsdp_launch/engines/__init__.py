@@ -38,7 +38,7 @@ class EngineCaps:
     # fp8.recipe=torchao_*: torchao float8 layers under this engine, and whether torchao_tensorwise
     # all-gathers their weights in FP8 (torchao's hooks are FSDP2's; elsewhere the cast follows the
     # all-gather, as rowwise's always does).
-    torchao_fp8: bool = False
+    linear_fp8: bool = False
     torchao_fp8_all_gather: bool = False
     # mesh.ep > 1: expert weights sharded over the expert-data-parallel ranks (models/llama/expert_parallel.py).
     expert_parallel: bool = False
@@ -54,7 +54,7 @@ ENGINES: Dict[str, EngineCaps] = {
             fp8_params=True, te_fused_optim=True, cuda_graph=True, default_mesh=True,
             # torchao's Float8Linear keeps an ordinary weight (without FP8 all-gather), so the engine's
             # buffers hold it as any Linear's; the MoE experts' FP8 grouped GEMM reads plain weights.
-            torchao_fp8=True,
+            linear_fp8=True,
             # Its own tp/cp mesh dims: TE layers' groups, or replicas over them (the seed's toys);
             # it averages gradients over dp_shard x cp, so all-gather attention runs too.
             tp_modes=frozenset({Parallel.TE, Parallel.REPLICATE}),
@@ -78,7 +78,7 @@ ENGINES: Dict[str, EngineCaps] = {
             tp_modes=frozenset({Parallel.DTENSOR}), cp_modes=frozenset({Parallel.ALLGATHER}), section=FSDP2Config,
             muon=True,
             # CPUOffloadPolicy; torchao's Float8Linear and its FP8 all-gather are built for fully_shard.
-            cpu_offload=True, torchao_fp8=True, torchao_fp8_all_gather=True,
+            cpu_offload=True, linear_fp8=True, torchao_fp8_all_gather=True,
             # The experts' own fully_shard over the expert-data-parallel mesh, as torchtitan's.
             expert_parallel=True,
         ),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, FrozenSet, List, Optional, Sequence
 
 from ..core.errors import ConfigError
-from ..core.fp8 import TE_RECIPES, TORCHAO_RECIPES
+from ..core.fp8 import LINEAR_RECIPES, TE_RECIPES
 from ..core.parallel import Parallel  # noqa: F401  (families declare their modes with it)
 from ..core.schema import ModelConfig
 from ..core.names import import_object
@@ -111,8 +111,8 @@ class ModelFamily:
     lora = False
     base_key = ""
     base_hint = ""  # what `base_key` takes, for the refusal of a LoRA without a base
-    # Its matmuls are plain nn.Linear layers that torchao float8 training can convert (fp8.recipe=torchao_*).
-    torchao_fp8 = False
+    # Its matmuls are plain nn.Linear layers that the linear FP8 recipes convert (torchao_*, fused_rowwise).
+    linear_fp8 = False
     # Its mixture-of-experts layers split their experts over mesh.ep (models/expert_parallel.py), and
     # what gives it those experts (the support table in docs/models.md).
     expert_parallel = False
@@ -121,8 +121,8 @@ class ModelFamily:
     def support(self, engine) -> Support:
         """What this family does under `engine` (an EngineCaps): its modes where the engine takes them."""
         fp8 = set(TE_RECIPES) if self.has_te_layers else set()
-        if self.torchao_fp8 and engine.torchao_fp8:
-            fp8 |= TORCHAO_RECIPES
+        if self.linear_fp8 and engine.linear_fp8:
+            fp8 |= LINEAR_RECIPES
         return Support(tp=self.tp_mode if self.tp_mode in engine.tp_modes else Parallel.NONE,
                        cp=self.cp_mode if self.cp_mode in engine.cp_modes else Parallel.NONE,
                        activation_checkpointing=self.activation_checkpointing, doc_mask=self.doc_mask,

@@ -13,7 +13,7 @@ class MeasuredFamily(ModelFamily):
     measured = True
     # model.activation_checkpointing wraps the FSDP unit modules (models/activation_checkpoint.py).
     activation_checkpointing = True
-    torchao_fp8 = True  # torchao converts the model's nn.Linear layers (components/float8.py)
+    linear_fp8 = True  # torchao converts the model's nn.Linear layers (components/float8.py)
 
     def probe(self, m) -> dict:
         """The meta-device measurements of this model config (cached for the run)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import List
 
-from ..core.fp8 import TE_RECIPES, TORCHAO_RECIPES
+from ..core.fp8 import LINEAR_RECIPES, TE_RECIPES
 from ..core.parallel import Parallel
 from ..engines import ENGINES
 from . import FAMILIES
@@ -26,7 +26,7 @@ MODE_TEXT = {Parallel.NONE: "no", Parallel.REPLICATE: "replicated", Parallel.DTE
 def _fp8_text(recipes) -> str:
     parts = []
     te = sorted(str(r) for r in TE_RECIPES if str(r) in recipes)
-    ao = sorted(str(r) for r in TORCHAO_RECIPES if str(r) in recipes)
+    ao = sorted(str(r) for r in LINEAR_RECIPES if str(r) in recipes)
     if te:
         parts.append("TE: " + ", ".join(te))
     if ao:

@@ -10,7 +10,7 @@ from ..engines import engine_caps
 from ..core.errors import ConfigError
 from ..core.hardware import local_gpu_count
 from ..models import family
-from ..core.fp8 import FP8Recipe, is_torchao
+from ..core.fp8 import FP8Recipe, is_torchao, on_linears
 from ..core.schema import Backend, LossKernel, OptimImpl
 from ..core.names import first_line
 
@@ -41,7 +41,7 @@ def check_installs(cfg, probe: bool) -> None:
         wanted.append(("engine", "engine=megatron_fsdp", "megatron_fsdp", "pip install 'megatron-fsdp>=0.6.1'"))
     te_users = [("model", f"model={cfg.model.name}", family(cfg.model.name).has_te_layers),
                 ("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}",
-                 cfg.fp8.recipe != FP8Recipe.none and not is_torchao(cfg.fp8.recipe)),
+                 cfg.fp8.recipe != FP8Recipe.none and not on_linears(cfg.fp8.recipe)),
                 ("optim.impl", "optim.impl=te_fused", cfg.optim.impl == OptimImpl.te_fused),
                 ("model.loss_kernel", "model.loss_kernel=te_fused", uses_fused_loss(cfg))]
     for key, what, used in te_users:
@@ -50,6 +50,11 @@ def check_installs(cfg, probe: bool) -> None:
             break
     if is_torchao(cfg.fp8.recipe):
         wanted.append(("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}", "torchao.float8", "pip install 'mfsdp-launch[torchao]'"))
+    elif cfg.fp8.recipe == FP8Recipe.fused_rowwise:
+        wanted.append(("fp8.recipe", "fp8.recipe=fused_rowwise", "triton", "pip install triton"))
+        if family(cfg.model.name).expert_params(cfg.model):  # the experts' FP8 grouped GEMM is torchao's
+            wanted.append(("fp8.recipe", "fp8.recipe=fused_rowwise with a mixture of experts",
+                           "torchao.prototype.moe_training", "pip install 'mfsdp-launch[torchao]'"))
     if cfg.logging.tensorboard:  # (torch.utils.tensorboard imports it)
         wanted.append(("logging.tensorboard", "logging.tensorboard=true", "tensorboard",
                        "pip install tensorboard, or logging.tensorboard=false"))
@@ -102,8 +107,8 @@ def refuse_gpu_only(cfg, where: str) -> None:
     if cfg.train.cpu_offload:
         raise ConfigError("train.cpu_offload", f"true moves the sharded state from the GPU to host memory, but "
                           f"{where}: there it lives in host memory already", "false")
-    if is_torchao(cfg.fp8.recipe):
-        raise ConfigError("fp8.recipe", f"{cfg.fp8.recipe}: torchao float8 runs FP8 matmuls on CUDA GPUs of "
+    if on_linears(cfg.fp8.recipe):
+        raise ConfigError("fp8.recipe", f"{cfg.fp8.recipe}: FP8 training runs FP8 matmuls on CUDA GPUs of "
                           f"compute capability 8.9+; {where}", "none")
 
 

@@ -17,8 +17,9 @@ A model of the engine's buffers, not a measurement, calibrated against the peaks
   `cp` (each context-parallel rank holds seq/cp tokens: models/cp_layout.py).
 * LoRA (model.peft): the frozen base has compute-dtype weights only (no main copy, gradient or
   optimizer state); main weights, gradients and Adam's moments are the adapters' alone.
-* fp8_weights: TE's FP8 copies of the block weights, kept from forward to backward (FP8 recipes
-  without fp8.params).
+* fp8_weights: FP8 copies of the block weights, kept from forward to backward: TE's (FP8 recipes
+  without fp8.params), and fused_rowwise's column casts of each weight (components/fp8_linear.py;
+  one H100, the 8b's 8 layers: 2.0 GiB over bf16's peak, the head's included).
 * allocator: the caching allocator's slack over what is allocated (`ALLOCATOR_SLACK` of the
   transient buffers): the estimate aims at the reserved peak, which is what runs out. FSDP2 with
   DTensor TP reserves about one more gradient copy (`_fsdp2_tp_reserve`).
@@ -193,7 +194,8 @@ def expert_share(cfg, dims: ParallelDims, est: MemoryEstimate) -> float:
 
 
 def _fp8_weight_bytes(cfg, fam, tp: int) -> float:
-    if FP8Recipe(cfg.fp8.recipe) is FP8Recipe.none or cfg.fp8.params or not fam.has_te_layers:
+    recipe = FP8Recipe(cfg.fp8.recipe)
+    if recipe is FP8Recipe.none or cfg.fp8.params or not (fam.has_te_layers or recipe is FP8Recipe.fused_rowwise):
         return 0.0
     if not hasattr(fam, "dims"):  # TE toys: all their weights
         return FP8_WEIGHT_BYTES * fam.param_count(cfg.model)

@@ -9,7 +9,7 @@ from typing import List
 from ..components.profiling import check_profile
 from ..core.dtypes import OPTIM_STATE_DTYPES, Dtype
 from ..core.errors import ConfigError
-from ..core.fp8 import is_torchao
+from ..core.fp8 import on_linears
 from ..core.schema import Backend, CudaGraphMode, OptimImpl
 from ..core.schema import OptimConfig, OptimName, Schedule
 from ..core.sharding import ZeroStrategy
@@ -134,8 +134,8 @@ def _check_cuda_graph(cfg, caps: EngineCaps) -> None:
          "optim_grads_params"),
         # TE's fused loss was not captured in a graph here (its is_cg_capturable path is untested)
         (not machine.uses_fused_loss(cfg), "model.loss_kernel", "torch"),
-        # torchao's layers (and the experts' FP8 grouped GEMM) were never captured here
-        (not is_torchao(cfg.fp8.recipe), "fp8.recipe", "none, or a TE recipe"),
+        # FP8 linears (and the experts' FP8 grouped GEMM) were never captured here
+        (not on_linears(cfg.fp8.recipe), "fp8.recipe", "none, or a TE recipe"),
     ]
     for ok, key, allowed in rules:
         if not ok:

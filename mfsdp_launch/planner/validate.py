@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from ..core.dtypes import Dtype
 from ..core.errors import ConfigError
-from ..core.fp8 import FP8Recipe, is_torchao
+from ..core.fp8 import FP8Recipe, on_linears
 from ..core import k8s, storage
 from ..core.schema import KUBERNETES_KINDS, CudaGraphMode, LauncherKind, ResumeMode
 from ..core.schema import KeepBest
@@ -133,11 +133,11 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
         if f.attention:
             raise ConfigError("fp8.attention", "true has no effect with fp8.recipe=none", "false, or fp8.recipe=delayed|current")
         return
-    if is_torchao(f.recipe):
+    if on_linears(f.recipe):
         from ..components import float8
 
         float8.check_config(f, supported=family(cfg.model.name).support(caps).fp8, model=cfg.model.name,
-                            tp=int(cfg.mesh.tp), torchao_models=[n for n, fam in FAMILIES.items() if fam.torchao_fp8])
+                            tp=int(cfg.mesh.tp), linear_models=[n for n, fam in FAMILIES.items() if fam.linear_fp8])
         return
     if f.attention and f.recipe not in (FP8Recipe.delayed, FP8Recipe.current):
         raise ConfigError("fp8.attention", f"FP8 attention is wired for delayed and current scaling, not '{f.recipe}'",
@@ -156,8 +156,8 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
         te_models = [name for name, fam in FAMILIES.items() if fam.has_te_layers]
         raise ConfigError("fp8.recipe", f"'{f.recipe}' would do nothing: model={cfg.model.name} has no "
                           "Transformer Engine layers", "none, model=" + "|".join(te_models)
-                          + (", or fp8.recipe=torchao_tensorwise|torchao_rowwise (torchao, no TE)"
-                             if family(cfg.model.name).torchao_fp8 else ""))
+                          + (", or fp8.recipe=torchao_tensorwise|torchao_rowwise|fused_rowwise (no TE)"
+                             if family(cfg.model.name).linear_fp8 else ""))
     if f.amax_history_len < 1:
         raise ConfigError("fp8.amax_history_len", f"must be >= 1, got {f.amax_history_len}")
     if not f.params:

@@ -22,7 +22,7 @@ from ..core.schema import Backend, CudaGraphMode
 from ..engines import engine_caps, get_engine
 from ..engines.base import Engine, apply_freeze
 from ..core.errors import ConfigError
-from ..core.fp8 import is_torchao
+from ..core.fp8 import is_torchao, on_linears
 from ..mesh import ParallelDims
 from ..models import ModelSpec, build_model_spec, family, lora, qlora
 from ..components.optim import build_optimizer, build_scheduler
@@ -113,7 +113,7 @@ def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_reci
     if lora.enabled(model_cfg):  # peft freezes the base: every parameter but the adapters
         spec.peft_line = lora.adapt(spec, model, model_cfg.peft)
         frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    if is_torchao(fp8_cfg.recipe):  # torchao float8: its Float8Linear layers, no TE recipe
+    if on_linears(fp8_cfg.recipe):  # FP8 on the plain Linears (torchao's or ours), no TE recipe
         kept = float8.convert(model, fp8_cfg, all_gather=fp8_all_gather)
     else:
         kept = precision.apply_fp8_skip(model, list(fp8_cfg.skip)) if fp8_recipe is not None and fp8_cfg.skip else []
@@ -158,7 +158,7 @@ def build_training(cfg, rt: Runtime) -> Training:
     decoupled = bool(cfg.engine.get("use_decoupled_grad", False))
     optimizer = engine.wrap_optimizer(model, build_optimizer(model, cfg.optim, fused_ok=rt.device.type == "cuda",
                                                              decoupled_grad=decoupled))
-    if is_torchao(cfg.fp8.recipe):
+    if on_linears(cfg.fp8.recipe):
         float8.after_optimizer_steps(model, optimizer, cfg.fp8, all_gather=fp8_all_gather)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()
     return Training(spec, model, forward_model, engine, optimizer, scheduler, fp8_recipe, frozen, kept,

@@ -3,9 +3,9 @@
 * train.cpu_offload=true (FSDP2's CPUOffloadPolicy) gives the losses of offload off (1e-6) on a
   small gpt, with and without meta-device init; optim.state_dtype=bf16 steps alike on the GPU and
   offloaded to the host;
-* fp8.recipe=torchao_rowwise|torchao_tensorwise (torchao float8, no TE) on gpt and model=hf,
-  eager and compiled: the Linears run in FP8 (the losses move off bf16's) and train as bf16 does
-  (within 5 % over the first steps);
+* fp8.recipe=torchao_rowwise|torchao_tensorwise (torchao float8, no TE) and fused_rowwise (our own
+  casts, no torchao) on gpt and model=hf, eager and compiled: the Linears run in FP8 (the losses
+  move off bf16's) and train as bf16 does (within 5 % over the first steps);
 * activation checkpointing of model=hf's decoder layers and model=custom's units (the README's
   module) under both engines gives the losses of AC none, and so does model=hf's chunked loss
   (model.loss_kernel=chunked).
@@ -35,7 +35,7 @@ LLAMA = ("model.hf_config={model_type: llama, hidden_size: 128, intermediate_siz
          "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}")
 HF = ["model=hf", LLAMA, *GPT[2:]]
 ENGINES = {"meg": "engine=megatron_fsdp", "fsdp2": "engine=fsdp2"}
-RECIPES = ["torchao_rowwise", "torchao_tensorwise"]
+RECIPES = ["torchao_rowwise", "torchao_tensorwise", "fused_rowwise"]
 # The README's module (helpers.USER_MODULE) at dim 128 (multiples of 16, as above), 4 blocks.
 CUSTOM = ["model=custom", f"model.target={USER_MODULE_NAME}:build", "model.kwargs={dim: 128, n_layers: 4}",
           f"model.fsdp_unit_modules=[{USER_MODULE_NAME}.Block]", *GPT[2:]]
@@ -66,9 +66,14 @@ for _r in RECIPES:
 # The head in FP8 too: compiled on its own, outside the blocks (models/compile.py's `also`).
 G.train("tool_gpt_torchao_rowwise_compile_head", *GPT, *BF16, "engine=fsdp2", "train.steps=8",
         "fp8.recipe=torchao_rowwise", "train.compile=true", timeout=480)
-G.train("tool_hf_bf16", *HF, *BF16, "engine=fsdp2", "train.steps=8")
-G.train("tool_hf_torchao_rowwise", *HF, *BF16, "engine=fsdp2", "train.steps=8", "fp8.recipe=torchao_rowwise",
+G.train("tool_gpt_fused_rowwise_compile_head", *GPT, *BF16, "engine=fsdp2", "train.steps=8",
+        "fp8.recipe=fused_rowwise", "train.compile=true", timeout=480)
+G.train("tool_gpt_bf16_meg", *GPT, *BF16, "engine=megatron_fsdp", "train.steps=8")
+G.train("tool_gpt_fused_rowwise_meg", *GPT, *BF16, "engine=megatron_fsdp", "train.steps=8", "fp8.recipe=fused_rowwise",
         "fp8.skip=[lm_head]")
+G.train("tool_hf_bf16", *HF, *BF16, "engine=fsdp2", "train.steps=8")
+for _r in ("torchao_rowwise", "fused_rowwise"):
+    G.train(f"tool_hf_{_r}", *HF, *BF16, "engine=fsdp2", "train.steps=8", f"fp8.recipe={_r}", "fp8.skip=[lm_head]")
 for _s, _eng in ENGINES.items():
     for _mode in ("none", "full", "selective"):
         G.train(f"tool_hf_ac_{_mode}_{_s}", *HF, *FP32, _eng, "train.steps=4", f"model.activation_checkpointing={_mode}")
@@ -86,12 +91,12 @@ def _one_gpu(request):
     require_gpus(1)
 
 
-def _fp8_gpu() -> None:
+def _fp8_gpu(recipe: str = "torchao_rowwise") -> None:
     import torch
 
-    pytest.importorskip("torchao.float8")
+    pytest.importorskip("triton" if recipe == "fused_rowwise" else "torchao.float8")
     if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("torchao float8 needs compute capability 8.9+")
+        pytest.skip("FP8 GEMMs need compute capability 8.9+")
 
 
 # ------------------------------------------------------------------------------- CPU offload
@@ -142,7 +147,7 @@ def test_bf16_adam_moments_train_under_megatron_fsdp(request):
 @uses(lambda p: ["tool_gpt_bf16" + ("_compile" if p["compiled"] else ""),
                  f"tool_gpt_{p['recipe']}" + ("_compile" if p["compiled"] else "")])
 def test_torchao_fp8_trains_as_bf16_does(request, recipe, compiled):
-    _fp8_gpu()
+    _fp8_gpu(recipe)
     tail = "_compile" if compiled else ""
     ref = G.get(request, f"tool_gpt_bf16{tail}").ok().losses()
     r = G.get(request, f"tool_gpt_{recipe}{tail}").ok()
@@ -163,13 +168,37 @@ def test_a_compiled_fp8_head_trains_as_bf16_does(request):
     assert_close(r.losses(), ref, range(1, 5), rel=0.05, what="rowwise compiled head vs bf16")
 
 
-@uses("tool_hf_bf16", "tool_hf_torchao_rowwise")
-def test_torchao_fp8_on_model_hf(request):
-    _fp8_gpu()
+@uses("tool_gpt_bf16_compile", "tool_gpt_fused_rowwise_compile_head")
+def test_a_fused_rowwise_head_trains_as_bf16_does(request):
+    """Our casts are kernels of their own: the head in FP8 runs them outside the compiled blocks
+    with nothing else to compile."""
+    _fp8_gpu("fused_rowwise")
+    ref = G.get(request, "tool_gpt_bf16_compile").ok().losses()
+    r = G.get(request, "tool_gpt_fused_rowwise_compile_head").ok()
+    assert "2 Block unit(s) compiled in place" in r.console and "outside them" not in r.console, r.tail()
+    got = assert_learns(r.losses(), 8, min_drop=0.5, what="fused_rowwise, head in FP8")
+    assert got[0] != ref[1], "the FP8 run's first loss equals bf16's: no layer ran in FP8"
+    assert_close(r.losses(), ref, range(1, 5), rel=0.05, what="fused_rowwise compiled head vs bf16")
+
+
+@uses("tool_gpt_bf16_meg", "tool_gpt_fused_rowwise_meg")
+def test_fused_rowwise_trains_under_megatron_fsdp(request):
+    _fp8_gpu("fused_rowwise")
+    ref = G.get(request, "tool_gpt_bf16_meg").ok().losses()
+    got = assert_learns(G.get(request, "tool_gpt_fused_rowwise_meg").ok().losses(), 8, min_drop=0.5,
+                        what="fused_rowwise, Megatron-FSDP")
+    assert got[0] != ref[1], "the FP8 run's first loss equals bf16's: no layer ran in FP8"
+    assert_close(got, ref, range(1, 5), rel=0.05, what="fused_rowwise vs bf16 under Megatron-FSDP")
+
+
+@pytest.mark.parametrize("recipe", ["torchao_rowwise", "fused_rowwise"])
+@uses(lambda p: ["tool_hf_bf16", f"tool_hf_{p['recipe']}"])
+def test_torchao_fp8_on_model_hf(request, recipe):
+    _fp8_gpu(recipe)
     ref = G.get(request, "tool_hf_bf16").ok().losses()
-    got = G.get(request, "tool_hf_torchao_rowwise").ok().losses()
-    assert_learns(got, 8, min_drop=0.5, what="hf torchao_rowwise")
-    assert_close(got, ref, range(1, 5), rel=0.05, what="hf torchao_rowwise vs bf16")
+    got = G.get(request, f"tool_hf_{recipe}").ok().losses()
+    assert_learns(got, 8, min_drop=0.5, what=f"hf {recipe}")
+    assert_close(got, ref, range(1, 5), rel=0.05, what=f"hf {recipe} vs bf16")
 
 
 # ------------------------------------------------------------------------------- AC for hf and custom

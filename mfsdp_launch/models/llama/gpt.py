@@ -23,7 +23,7 @@ class GPTFamily(ModelFamily):
     lora = True  # peft adapters on its nn.Linear layers (wqkv, wo, w_gate_up, w_down, lm_head)
     base_key = "model.init_from"
     base_hint = "a local Llama-layout Hugging Face directory"
-    torchao_fp8 = True  # plain nn.Linear matmuls (components/float8.py)
+    linear_fp8 = True  # plain nn.Linear matmuls (components/float8.py)
     expert_parallel = True  # model.moe's experts over mesh.ep (models/llama/expert_parallel.py)
     experts_from = "model.moe"
 

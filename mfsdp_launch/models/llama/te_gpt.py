@@ -24,7 +24,7 @@ class TEGPTFamily(GPTFamily):
     tp_mode = Parallel.TE
     cp_mode = Parallel.TE
     expert_parallel = False  # no mixture of experts in TE's TransformerLayer (check refuses model.moe)
-    torchao_fp8 = False  # its matmuls are TE layers: TE's own FP8 recipes
+    linear_fp8 = False  # its matmuls are TE layers: TE's own FP8 recipes
 
     def shape(self, m) -> dict:
         # Manifests record fuse_qkv with every TE family's shape; te_gpt's layers always fuse QKV in

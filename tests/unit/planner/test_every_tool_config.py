@@ -1,4 +1,4 @@
-"""train.cpu_offload and fp8.recipe=torchao_* before anything is spawned (issue 26): one line where
+"""train.cpu_offload and fp8.recipe=torchao_*|fused_rowwise before anything is spawned (issue 26): one line where
 they cannot run (a CPU run, a family without plain Linears, tp > 1; Megatron-FSDP takes torchao's
 layers, without FP8 all-gather), the memory
 estimate moves the offloaded state to the host, and the dry run's host-memory line refuses a run
@@ -21,6 +21,10 @@ BIG = ["model=gpt", "model.preset=8b", "precision.compute_dtype=bf16", "train.se
     (["train.cpu_offload=true", "engine.backend=gloo", "launcher.dry_run=true"], "train.cpu_offload",
      "engine.backend=gloo runs on the CPU"),
     (["fp8.recipe=torchao_rowwise"], "fp8.recipe", "compute capability 8.9+"),
+    (["fp8.recipe=fused_rowwise"], "fp8.recipe", "compute capability 8.9+"),
+    (["fp8.recipe=fused_rowwise", "mesh.tp=2", "launcher.nproc_per_node=2", "launcher.dry_run=true"], "mesh.tp",
+     "tensor-parallel styles"),
+    (["fp8.recipe=fused_rowwise", "model=toy_cnn", "launcher.dry_run=true"], "fp8.recipe", "no plain nn.Linear"),
     (["train.cpu_offload=true", "engine=megatron_fsdp", "launcher.dry_run=true"], "train.cpu_offload",
      "has no CPU offload"),
     (["fp8.recipe=torchao_rowwise", "model=toy_cnn", "launcher.dry_run=true"], "fp8.recipe", "no plain nn.Linear"),
@@ -36,7 +40,7 @@ def test_refused_in_one_line(overrides, key, words):
     assert exc.key == key and words in str(exc) and "\n" not in str(exc), str(exc)
 
 
-@pytest.mark.parametrize("recipe", ["torchao_rowwise", "torchao_tensorwise"])
+@pytest.mark.parametrize("recipe", ["torchao_rowwise", "torchao_tensorwise", "fused_rowwise"])
 @pytest.mark.parametrize("extra", [[], ["model.preset=tiny_moe"]])
 def test_megatron_fsdp_takes_torchao_without_fp8_all_gather(recipe, extra):
     from mfsdp_launch.engines import ENGINES
@@ -45,7 +49,7 @@ def test_megatron_fsdp_takes_torchao_without_fp8_all_gather(recipe, extra):
                      check_hardware=False)
     assert str(cfg.fp8.recipe) == recipe
     caps = ENGINES["megatron_fsdp"]
-    assert caps.torchao_fp8 and not caps.torchao_fp8_all_gather and ENGINES["fsdp2"].torchao_fp8_all_gather
+    assert caps.linear_fp8 and not caps.torchao_fp8_all_gather and ENGINES["fsdp2"].torchao_fp8_all_gather
 
 
 def test_offload_moves_the_state_to_the_host_and_the_host_line_refuses_what_does_not_fit(monkeypatch):

@@ -97,6 +97,9 @@ def test_fp8_weights_cost_until_they_are_the_params():
     fp8_params = _est("model=te_gpt", "fp8.recipe=delayed", "fp8.params=true", "engine.keep_fp8_transpose_cache=true")
     assert fp8.fp8_weights > 0 and fp8.total > bf16.total
     assert fp8_params.fp8_weights == 0 and fp8_params.params < bf16.params
+    # fused_rowwise keeps each live block's weight cast for backward; torchao's rowwise does not count it
+    fused, ao = _est("model=gpt", "fp8.recipe=fused_rowwise"), _est("model=gpt", "fp8.recipe=torchao_rowwise")
+    assert fused.fp8_weights > 0 and ao.fp8_weights == 0 and fused.total > ao.total
 
 
 def test_fsdp2_holds_one_weight_copy_and_no_grads_at_the_peak():

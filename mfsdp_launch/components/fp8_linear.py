@@ -1,0 +1,93 @@
+"""fp8.recipe=fused_rowwise: rowwise-scaled FP8 training of plain `nn.Linear` layers with the
+launcher's own casts (fp8_casts.py), no Transformer Engine and no torchao.
+
+A linear y = x W^T runs three FP8 GEMMs (torch._scaled_mm, per-row and per-column scales):
+
+    forward      y  = x  @ W^T   x scaled per token,          W per output channel
+    grad input   dx = dy @ W     dy per token,                 W per input channel (its columns)
+    grad weight  dW = dy^T @ x   dy per output channel,        x per input channel (over the tokens)
+
+so each of x, W and dy is cast along both axes, by one pair of kernels each. Forward keeps only
+what backward reads: x's and W's column casts, in FP8 (half the bytes of the bf16 x it replaces).
+The numerics are torchao's ROWWISE recipe (fp8_casts.py; forward with fast accumulation, the
+gradients without); the casts are what is faster. The converted layer keeps its class's
+parameters, state-dict keys and `reset_parameters`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from .fp8_casts import casts_op, launch_casts
+
+
+def _casts(t: torch.Tensor):
+    # Under a torch.compile trace the custom op that convert() registered: one opaque node, the
+    # same for every layer (AOTAutograd merges the casts of one tensor that several layers read,
+    # as q/k/v projections do). Eagerly, the kernels themselves.
+    if torch.compiler.is_compiling():
+        return torch.ops.mfsdp_launch.fp8_rowwise_casts(t)
+    return launch_casts(t)
+
+
+def _mm(a, b, scale_a, scale_b, fast_accum: bool = False):
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+
+
+class _RowwiseFP8Matmul(torch.autograd.Function):
+    """x2d [M, K] @ weight [N, K]^T in FP8, returned in bfloat16."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight):
+        xq, x_inv, xqt, xt_inv = _casts(x2d)
+        wq, w_inv, wqt, wt_inv = _casts(weight)
+        ctx.save_for_backward(xqt, xt_inv, wqt, wt_inv)
+        ctx.weight_dtype = weight.dtype
+        # Fast accumulation (no periodic promotion to fp32 inside the FP8 GEMM) in forward only, as
+        # torchao's recipes: gradients keep full accumulation.
+        return _mm(xq, wq.t(), x_inv[:, None], w_inv[None, :], fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xqt, xt_inv, wqt, wt_inv = ctx.saved_tensors
+        dq, d_inv, dqt, dt_inv = _casts(dy.contiguous())
+        dx = _mm(dq, wqt.t(), d_inv[:, None], wt_inv[None, :]) if ctx.needs_input_grad[0] else None
+        dw = _mm(dqt, xqt.t(), dt_inv[:, None], xt_inv[None, :]) if ctx.needs_input_grad[1] else None
+        return dx, (dw.to(ctx.weight_dtype) if dw is not None else None)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear with the matmul in rowwise FP8; a token count that is not a multiple of 16 (the
+    FP8 GEMMs' rule, and the grad-weight GEMM reduces over tokens) runs in high precision."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.shape[0] % 16:
+        return nn.functional.linear(x, weight, bias)
+    y = _RowwiseFP8Matmul.apply(x2d, weight).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return y + bias if bias is not None else y
+
+
+def _forward(self, x):
+    return fp8_linear(x, self.weight, self.bias)
+
+
+_CLASSES = {}
+
+
+def _fp8_class(cls: type) -> type:
+    """A subclass of the layer's own class whose forward runs fp8_linear (one per class)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"RowwiseFP8{cls.__name__}", (cls,), {"forward": _forward})
+    return _CLASSES[cls]
+
+
+def convert(linears: Iterable[nn.Linear]) -> None:
+    """Turn each of `linears` into a rowwise FP8 layer in place (components/float8.py chooses them),
+    and register the casts' custom op, outside any torch.compile trace (traced, its registration
+    would break the graph at every call)."""
+    casts_op()
+    for m in linears:
+        m.__class__ = _fp8_class(type(m))

@@ -1,0 +1,178 @@
+"""fp8.recipe=fused_rowwise on the CPU: the cast kernels (components/fp8_casts.py) in Triton's
+interpreter against the same casts in plain torch, bit for bit; the FP8 linear
+(components/fp8_linear.py) forward and backward against its math done in fp32 on the dequantized
+casts (CPU torch._scaled_mm runs the real FP8 GEMM); the conversion of a gpt; the custom op's
+fake kernel (what torch.compile traces). The GPU runs it compiled: tests/gpu/test_every_tool_gpu.py."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_SCRIPT = textwrap.dedent("""
+    import json, torch
+    from mfsdp_launch.components import fp8_casts, fp8_linear, float8
+    from mfsdp_launch.core.schema import FP8Config
+    torch.manual_seed(0)
+    out = {}
+
+    def same(a, b):
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+    # (33, 70): both axes cross the interpreter's 16 x 32 tiles with a ragged edge.
+    x = (torch.randn(33, 70) * torch.logspace(-4, 4, 70)).to(torch.bfloat16)
+    x[3] = 0                                  # a zero row: the amax floor, +0 out
+    x[5, :10] = -1e-30                        # values that round to -0
+    x[7, 11] = 3e38                           # near bf16's max
+    wide = torch.randn(40, 96)                # fp32 input; a row-strided view (stride 96, 64 columns)
+    cases = {"bf16": x, "fp32_view": wide[:, 16:80]}
+    out["casts"] = {k: [same(a, b) for a, b in zip(fp8_casts.launch_casts(t), fp8_casts.reference_casts(t))]
+                    for k, t in cases.items()}
+
+    # The linear: forward and both gradients against the same math on the dequantized casts.
+    M, K, N = 48, 64, 80
+    xin = torch.randn(2, M // 2, K, requires_grad=True)
+    w = (torch.randn(N, K) * 0.05).requires_grad_(True)
+    b = torch.randn(N, requires_grad=True)
+    dy = torch.randn(2, M // 2, N)
+    y = fp8_linear.fp8_linear(xin, w, b)
+    y.backward(dy)
+
+    def deq_rows(t):   # t scaled per row, dequantized
+        q, inv, _, _ = fp8_casts.reference_casts(t)
+        return q.float() * inv[:, None]
+
+    def deq_cols(t):   # t scaled per column, dequantized
+        _, _, qt, inv = fp8_casts.reference_casts(t)
+        return (qt.float() * inv[:, None]).t()
+
+    # The matmul returns bf16, so its backward receives dy rounded to bf16.
+    x2, d2 = xin.detach().reshape(M, K), dy.reshape(M, N).bfloat16()
+    want_y = (deq_rows(x2) @ deq_rows(w.detach()).t()).bfloat16().float() + b.detach()
+    want_dx = (deq_rows(d2) @ deq_cols(w.detach())).bfloat16().float()
+    want_dw = (deq_cols(d2).t() @ deq_cols(x2)).bfloat16().float()
+    rel = lambda a, c: ((a.float() - c.float()).norm() / c.float().norm()).item()
+    out["linear_vs_fp8_math"] = [rel(y.reshape(M, N), want_y), rel(xin.grad.reshape(M, K), want_dx),
+                                 rel(w.grad, want_dw), rel(b.grad, dy.reshape(M, N).sum(0))]
+    xr, wr = xin.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(xr, wr).backward(dy)
+    out["linear_vs_fp32"] = [rel(xin.grad, xr.grad), rel(w.grad, wr.grad)]
+    odd = torch.randn(3, 5, K)                # 15 tokens: not a multiple of 16, high precision
+    out["odd_tokens_exact"] = torch.equal(fp8_linear.fp8_linear(odd, w.detach()),
+                                          torch.nn.functional.linear(odd, w.detach()))
+
+    # The fake kernel torch.compile traces agrees with the real one (shapes, dtypes, strides).
+    torch.library.opcheck(fp8_casts.casts_op(), (torch.randn(32, 48, dtype=torch.bfloat16),),
+                          test_utils=("test_schema", "test_faketensor"))
+    out["opcheck"] = True
+    print(json.dumps(out))
+""")
+
+
+def _run(script: str) -> dict:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_casts_and_the_fp8_linear_match_their_plain_torch_math():
+    out = _run(_SCRIPT)
+    assert out["casts"] == {"bf16": [True] * 4, "fp32_view": [True] * 4}
+    # The same FP8 products summed in fp32 either way; what differs is the order of the sums.
+    assert max(out["linear_vs_fp8_math"]) < 1e-5, out["linear_vs_fp8_math"]
+    # E4M3 (3 mantissa bits) on both operands: a few percent from the fp32 linear.
+    assert max(out["linear_vs_fp32"]) < 0.08, out["linear_vs_fp32"]
+    assert out["odd_tokens_exact"] and out["opcheck"]
+
+
+_CONVERT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, "tests")
+    from helpers import model_cfg
+    from mfsdp_launch.components import float8
+    from mfsdp_launch.core.schema import FP8Config
+    from mfsdp_launch.models import build_model_spec
+
+    def gpt():
+        spec = build_model_spec(model_cfg("gpt", preset="tiny", n_layers=2), 32)
+        torch.manual_seed(0)
+        return spec, spec.build()
+
+    spec, plain = gpt()
+    _, model = gpt()
+    keys = list(model.state_dict())
+    model.odd = torch.nn.Linear(64, 24, bias=False)
+    kept = float8.convert(model, FP8Config(recipe="fused_rowwise", skip=["lm_head"]))
+    del model.odd
+    converted = sorted(n for n, m in model.named_modules() if type(m).__name__.startswith("RowwiseFP8"))
+    layer = model.get_submodule(converted[0])
+    layer.reset_parameters()
+    init_ok = abs(layer.weight.std().item() - layer.init_std) < 0.3 * layer.init_std
+    _, model = gpt()
+    float8.convert(model, FP8Config(recipe="fused_rowwise"))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    want, got = spec.loss(plain, batch), spec.loss(model, batch)
+    got.backward()
+    print(json.dumps(dict(kept=sorted(kept), converted=converted, init_ok=init_ok, keys=keys == list(model.state_dict()),
+                          isinstance=all(isinstance(model.get_submodule(n), torch.nn.Linear) for n in converted),
+                          loss=[want.item(), got.item()],
+                          finite=all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))))
+""")
+
+
+def test_convert_turns_a_gpts_linears_into_fp8_and_a_step_stays_near_high_precision():
+    out = _run(_CONVERT)
+    assert out["kept"] == ["lm_head", "odd"]
+    assert len(out["converted"]) == 8 and all(n.startswith("layers.") for n in out["converted"])
+    assert out["init_ok"] and out["keys"] and out["isinstance"] and out["finite"]
+    want, got = out["loss"]
+    assert got == pytest.approx(want, rel=0.02)
+
+
+_COMPILED = textwrap.dedent("""
+    import json, torch, torch.nn as nn
+    from mfsdp_launch.components import fp8_casts, fp8_linear
+    calls = [0]
+    real = fp8_casts.launch_casts
+
+    def counted(x):
+        calls[0] += 1
+        return real(x)
+
+    fp8_linear.launch_casts = fp8_casts.launch_casts = counted
+
+    class QKV(nn.Module):   # three projections of one input, as a Hugging Face attention's
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(64, n, bias=False) for n in (64, 32, 48))
+
+        def forward(self, x):
+            return self.q(x).sum(-1) + self.k(x).sum(-1) + self.v(x).sum(-1)
+
+    m = QKV()
+    fp8_linear.convert([m.q, m.k, m.v])
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    explained = torch._dynamo.explain(m)(x)
+    torch._dynamo.reset()
+    calls[0] = 0
+    y = torch.compile(m, backend="aot_eager")(x)
+    forward = calls[0]
+    y.sum().backward()
+    print(json.dumps(dict(breaks=explained.graph_break_count, graphs=explained.graph_count, forward=forward)))
+""")
+
+
+def test_compiled_the_casts_are_one_node_and_a_shared_input_is_cast_once():
+    """torch.compile traces the linear whole (a graph break per call would split every block into
+    eager pieces) and merges the casts of the input that q, k and v share."""
+    out = _run(_COMPILED)
+    assert out["breaks"] == 0 and out["graphs"] == 1, out
+    assert out["forward"] == 4, out  # x once, each weight once
