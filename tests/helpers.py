@@ -9,6 +9,7 @@ function as fn(rank, world, *args)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import importlib.util
 import inspect
@@ -485,3 +486,15 @@ def train_wired(rank: int, world: int, overrides, *, grads=None, labels=None):
     checkpoints.wait()
     io.metrics.close()
     return state, tr
+
+
+def interpreted(script: str) -> dict:
+    """What `script` prints last (JSON), run in a process whose Triton kernels run in Triton's
+    interpreter on CPU tensors (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    import pytest
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

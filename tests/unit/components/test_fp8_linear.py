@@ -4,13 +4,11 @@ interpreter against the same casts in plain torch, bit for bit; the FP8 linear
 casts (CPU torch._scaled_mm runs the real FP8 GEMM); the conversion of a gpt; the custom op's
 fake kernel (what torch.compile traces). The GPU runs it compiled: tests/gpu/test_every_tool_gpu.py."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import interpreted
 
 _SCRIPT = textwrap.dedent("""
     import json, torch
@@ -74,16 +72,8 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(script: str) -> dict:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_casts_and_the_fp8_linear_match_their_plain_torch_math():
-    out = _run(_SCRIPT)
+    out = interpreted(_SCRIPT)
     assert out["casts"] == {"bf16": [True] * 4, "fp32_view": [True] * 4}
     # The same FP8 products summed in fp32 either way; what differs is the order of the sums.
     assert max(out["linear_vs_fp8_math"]) < 1e-5, out["linear_vs_fp8_math"]
@@ -129,7 +119,7 @@ _CONVERT = textwrap.dedent("""
 
 
 def test_convert_turns_a_gpts_linears_into_fp8_and_a_step_stays_near_high_precision():
-    out = _run(_CONVERT)
+    out = interpreted(_CONVERT)
     assert out["kept"] == ["lm_head", "odd"]
     assert len(out["converted"]) == 8 and all(n.startswith("layers.") for n in out["converted"])
     assert out["init_ok"] and out["keys"] and out["isinstance"] and out["finite"]
@@ -173,6 +163,6 @@ _COMPILED = textwrap.dedent("""
 def test_compiled_the_casts_are_one_node_and_a_shared_input_is_cast_once():
     """torch.compile traces the linear whole (a graph break per call would split every block into
     eager pieces) and merges the casts of the input that q, k and v share."""
-    out = _run(_COMPILED)
+    out = interpreted(_COMPILED)
     assert out["breaks"] == 0 and out["graphs"] == 1, out
     assert out["forward"] == 4, out  # x once, each weight once

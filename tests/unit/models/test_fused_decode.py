@@ -4,13 +4,12 @@ what they cannot serve is named, and `--decoder triton` there is refused in one 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import interpreted
 
 torch = pytest.importorskip("torch")
 
@@ -56,17 +55,8 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _interpreted(script: str):
-    """What `script` prints last (JSON), run in a process whose Triton kernels run in the interpreter."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_interpreted_kernels_decode_the_eager_tokens_and_logits():
-    out = _interpreted(_SCRIPT)
+    out = interpreted(_SCRIPT)
     for run in ("float32", "float32_early2"):
         assert out[run]["splits"] == 2  # the cache's two tiles each in a slice
         for logits, scale, cache in out[run]["diffs"]:
@@ -95,7 +85,7 @@ _TAIL = textwrap.dedent("""
 
 
 def test_the_greedy_tail_kernel_takes_the_first_maximum_and_advances():
-    for token, ids, count, pos, want in _interpreted(_TAIL):
+    for token, ids, count, pos, want in interpreted(_TAIL):
         assert token == want and ids == [-1, -1, want, -1] and count == 3 and pos == 10
 
 
