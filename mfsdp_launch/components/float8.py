@@ -55,6 +55,30 @@ def check_config(fp8, *, supported: Sequence[str], model: str, tp: int, linear_m
         raise ConfigError("fp8.attention", f"true is TE's FP8 attention, not available with {recipe}", "false")
 
 
+def check_weight_cache(fp8, *, grad_accum_steps: int, engine: str) -> None:
+    """fp8.cache_weight_casts where it does something and was run (torch-free)."""
+    if not fp8.cache_weight_casts:
+        return
+    if FP8Recipe(fp8.recipe) is not FP8Recipe.fused_rowwise:
+        raise ConfigError("fp8.cache_weight_casts", f"true keeps fused_rowwise's weight casts across micro-batches; "
+                          f"fp8.recipe={fp8.recipe} has none of its own to keep", "false, or fp8.recipe=fused_rowwise")
+    if grad_accum_steps == 1:
+        raise ConfigError("fp8.cache_weight_casts", "true does nothing at train.grad_accum_steps=1: each weight is "
+                          "cast once a step already", "false, or train.grad_accum_steps > 1")
+    if engine != "fsdp2":
+        raise ConfigError("fp8.cache_weight_casts", f"true is wired for engine=fsdp2, not engine={engine}", "false")
+
+
+def micro_batch_hook(fp8_cfg):
+    """What the loop calls before each micro-batch (its index), or None: fp8.cache_weight_casts'
+    fill-or-read switch."""
+    if not (FP8Recipe(fp8_cfg.recipe) is FP8Recipe.fused_rowwise and fp8_cfg.cache_weight_casts):
+        return None
+    from .fp8_linear import WeightCasts
+
+    return WeightCasts.before_micro_batch
+
+
 def _under(fqn: str, skipped: List[str]) -> bool:
     return any(fqn == s or fqn.startswith(s + ".") for s in skipped)
 
@@ -89,7 +113,8 @@ def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emula
         from . import fp8_linear
 
         high = set(kept)
-        fp8_linear.convert(m for name, m in modules.items() if isinstance(m, nn.Linear) and name not in high)
+        fp8_linear.convert((m for name, m in modules.items() if isinstance(m, nn.Linear) and name not in high),
+                           cache_weight_casts=bool(fp8_cfg.cache_weight_casts))
     else:
         _convert_torchao(model, recipe, skipped, all_gather=all_gather, emulate=emulate)
         for name, old in modules.items():

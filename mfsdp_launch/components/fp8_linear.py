@@ -12,6 +12,12 @@ what backward reads: x's and W's column casts, in FP8 (half the bytes of the bf1
 The numerics are torchao's ROWWISE recipe (fp8_casts.py; forward with fast accumulation, the
 gradients without); the casts are what is faster. The converted layer keeps its class's
 parameters, state-dict keys and `reset_parameters`.
+
+fp8.cache_weight_casts=true: a step's weights do not change between its micro-batches, so each
+layer keeps its weight's two casts in buffers of its own (uint8 and int32 bits, which a module's
+`.to(dtype)` leaves alone; not in the state dict), written by the step's first micro-batch and read
+by the others (`WeightCasts.fill`, set by the loop before each micro-batch). The first
+micro-batch uses the casts it made, so no tensor a backward reads is ever overwritten.
 """
 
 from __future__ import annotations
@@ -39,12 +45,13 @@ def _mm(a, b, scale_a, scale_b, fast_accum: bool = False):
 
 
 class _RowwiseFP8Matmul(torch.autograd.Function):
-    """x2d [M, K] @ weight [N, K]^T in FP8, returned in bfloat16."""
+    """x2d [M, K] @ weight [N, K]^T in FP8, returned in bfloat16; `weight_casts`: the weight's
+    casts made before (fp8.cache_weight_casts), else they are made here."""
 
     @staticmethod
-    def forward(ctx, x2d, weight):
+    def forward(ctx, x2d, weight, *weight_casts):
         xq, x_inv, xqt, xt_inv = _casts(x2d)
-        wq, w_inv, wqt, wt_inv = _casts(weight)
+        wq, w_inv, wqt, wt_inv = weight_casts or _casts(weight)
         ctx.save_for_backward(xqt, xt_inv, wqt, wt_inv)
         ctx.weight_dtype = weight.dtype
         # Fast accumulation (no periodic promotion to fp32 inside the FP8 GEMM) in forward only, as
@@ -57,21 +64,46 @@ class _RowwiseFP8Matmul(torch.autograd.Function):
         dq, d_inv, dqt, dt_inv = _casts(dy.contiguous())
         dx = _mm(dq, wqt.t(), d_inv[:, None], wt_inv[None, :]) if ctx.needs_input_grad[0] else None
         dw = _mm(dqt, xqt.t(), dt_inv[:, None], xt_inv[None, :]) if ctx.needs_input_grad[1] else None
-        return dx, (dw.to(ctx.weight_dtype) if dw is not None else None)
+        return (dx, (dw.to(ctx.weight_dtype) if dw is not None else None)) + (None,) * len(ctx.needs_input_grad[2:])
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, weight_casts=()) -> torch.Tensor:
     """F.linear with the matmul in rowwise FP8; a token count that is not a multiple of 16 (the
     FP8 GEMMs' rule, and the grad-weight GEMM reduces over tokens) runs in high precision."""
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.shape[0] % 16:
         return nn.functional.linear(x, weight, bias)
-    y = _RowwiseFP8Matmul.apply(x2d, weight).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    y = _RowwiseFP8Matmul.apply(x2d, weight, *weight_casts).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
 
 
+class WeightCasts:
+    """fp8.cache_weight_casts: whether the next micro-batch writes the layers' weight casts (the
+    first of each step) or reads them. torch.compile guards on it: one graph for each."""
+
+    fill = True
+
+    @classmethod
+    def before_micro_batch(cls, micro: int) -> None:
+        cls.fill = micro == 0
+
+
+_CACHE = ("fp8_weight_q", "fp8_weight_inv", "fp8_weight_qt", "fp8_weight_inv_t")
+
+
 def _forward(self, x):
-    return fp8_linear(x, self.weight, self.bias)
+    if not hasattr(self, _CACHE[0]) or not torch.is_grad_enabled():  # (evaluation: the weights of now)
+        return fp8_linear(x, self.weight, self.bias)
+    bufs = [getattr(self, name) for name in _CACHE]
+    if WeightCasts.fill:
+        casts = _casts(self.weight.detach())  # (the weight's gradient comes through fp8_linear's weight)
+        with torch.no_grad():
+            for buf, cast in zip(bufs, casts):
+                buf.copy_(cast.view(buf.dtype))
+    else:
+        fp8, fp32 = torch.float8_e4m3fn, torch.float32
+        casts = (bufs[0].view(fp8), bufs[1].view(fp32), bufs[2].view(fp8), bufs[3].view(fp32))
+    return fp8_linear(x, self.weight, self.bias, weight_casts=casts)
 
 
 _CLASSES = {}
@@ -84,10 +116,16 @@ def _fp8_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def convert(linears: Iterable[nn.Linear]) -> None:
+def convert(linears: Iterable[nn.Linear], cache_weight_casts: bool = False) -> None:
     """Turn each of `linears` into a rowwise FP8 layer in place (components/float8.py chooses them),
-    and register the casts' custom op, outside any torch.compile trace (traced, its registration
-    would break the graph at every call)."""
+    with buffers for its weight's casts under `cache_weight_casts`, and register the casts' custom
+    op, outside any torch.compile trace (traced, its registration would break the graph at every
+    call)."""
     casts_op()
     for m in linears:
         m.__class__ = _fp8_class(type(m))
+        if cache_weight_casts:
+            n, k = m.weight.shape
+            shapes = ((n, k), (n,), (k, n), (k,))
+            for name, shape, dtype in zip(_CACHE, shapes, (torch.uint8, torch.int32, torch.uint8, torch.int32)):
+                m.register_buffer(name, torch.zeros(shape, dtype=dtype, device=m.weight.device), persistent=False)

@@ -159,6 +159,9 @@ class FP8Config:
     # FP8 dot-product attention (TE's fp8_dpa, beta there): cuDNN runs QK^T, softmax and PV with FP8
     # inputs. Delayed or current scaling; trades attention accuracy for speed at long sequences.
     attention: bool = False
+    # fused_rowwise at train.grad_accum_steps > 1: cast each weight once a step, not once a
+    # micro-batch, kept in 2 bytes a weight (the whole model's Linears, unsharded) of GPU memory.
+    cache_weight_casts: bool = False
 
 
 class ModelLoss(Choice):

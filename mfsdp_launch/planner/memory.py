@@ -19,7 +19,8 @@ A model of the engine's buffers, not a measurement, calibrated against the peaks
   optimizer state); main weights, gradients and Adam's moments are the adapters' alone.
 * fp8_weights: FP8 copies of the block weights, kept from forward to backward: TE's (FP8 recipes
   without fp8.params), and fused_rowwise's column casts of each weight (components/fp8_linear.py;
-  one H100, the 8b's 8 layers: 2.0 GiB over bf16's peak, the head's included).
+  one H100, the 8b's 8 layers: 2.0 GiB over bf16's peak, the head's included), and with
+  fp8.cache_weight_casts both casts of every Linear weight, for the whole run.
 * allocator: the caching allocator's slack over what is allocated (`ALLOCATOR_SLACK` of the
   transient buffers): the estimate aims at the reserved peak, which is what runs out. FSDP2 with
   DTensor TP reserves about one more gradient copy (`_fsdp2_tp_reserve`).
@@ -48,6 +49,7 @@ GIB = 1024**3
 # TE keeps each block's FP8 weight (1 byte per element) and part of its transpose from forward to
 # backward: 1.25 bytes per block weight fits te_gpt d=4096 with 8 and 16 layers (+1.9 / +3.6 GiB).
 FP8_WEIGHT_BYTES = 1.25
+CACHED_CAST_BYTES = 2.0  # fp8.cache_weight_casts: a weight's row and column casts, one byte each
 # Reserved minus allocated at the peak, as a fraction of activations + logits + gathered units
 # (blocks of varying size that the caching allocator cannot always reuse).
 ALLOCATOR_SLACK = 0.03
@@ -197,13 +199,17 @@ def _fp8_weight_bytes(cfg, fam, tp: int) -> float:
     recipe = FP8Recipe(cfg.fp8.recipe)
     if recipe is FP8Recipe.none or cfg.fp8.params or not (fam.has_te_layers or recipe is FP8Recipe.fused_rowwise):
         return 0.0
-    if not hasattr(fam, "dims"):  # TE toys: all their weights
-        return FP8_WEIGHT_BYTES * fam.param_count(cfg.model)
+    # fp8.cache_weight_casts: both casts of every Linear's weight, unsharded, for the whole run
+    cached = CACHED_CAST_BYTES if recipe is FP8Recipe.fused_rowwise and cfg.fp8.cache_weight_casts else 0.0
+    if not hasattr(fam, "dims"):  # TE toys, measured families: all their weights
+        return (FP8_WEIGHT_BYTES + cached) * fam.param_count(cfg.model)
     from ..models.llama.dims import layer_params, live_blocks
 
     d = fam.dims(cfg.model)
     blocks = live_blocks(d, str(cfg.model.activation_checkpointing), cfg.model.ac_every)
-    return FP8_WEIGHT_BYTES * blocks * (layer_params(d) - 2 * d.dim) / tp
+    linear = layer_params(d) - 2 * d.dim
+    head = 0 if d.tie_embeddings else d.dim * d.vocab_size
+    return (FP8_WEIGHT_BYTES * blocks * linear + cached * (d.n_layers * linear + head)) / tp
 
 
 def _tp_params(fam, m, n: int, unit: int, tp: int):

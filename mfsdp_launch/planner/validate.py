@@ -124,7 +124,10 @@ def _check_precision(pc, caps: EngineCaps) -> List[str]:
 
 
 def _check_fp8(cfg, caps: EngineCaps) -> None:
+    from ..components import float8
+
     f = cfg.fp8
+    float8.check_weight_cache(f, grad_accum_steps=int(cfg.train.grad_accum_steps), engine=cfg.engine.name)
     if f.recipe == FP8Recipe.none:
         if f.params:
             raise ConfigError("fp8.params", "true has no effect with fp8.recipe=none", "false, or an fp8.recipe")
@@ -134,8 +137,6 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
             raise ConfigError("fp8.attention", "true has no effect with fp8.recipe=none", "false, or fp8.recipe=delayed|current")
         return
     if on_linears(f.recipe):
-        from ..components import float8
-
         float8.check_config(f, supported=family(cfg.model.name).support(caps).fp8, model=cfg.model.name,
                             tp=int(cfg.mesh.tp), linear_models=[n for n, fam in FAMILIES.items() if fam.linear_fp8])
         return

@@ -72,6 +72,9 @@ class LoopContext:
     masked_labels: bool = False
     token_copies: int = 1  # ranks reading the same tokens (tp): the global target count divides by it
     precision_peak_tflops: Optional[float] = None  # the FP8-weighted peak: `mfu_at_precision` (core/mfu.py)
+    # Called with each micro-batch's index before it runs (fp8.cache_weight_casts: the first of a
+    # step writes the weight casts, the others read them).
+    before_micro_batch: Optional[Callable[[int], None]] = None
 
 
 @dataclass
@@ -158,6 +161,8 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 weights, step_targets = step_weights(batches, ctx.world_size)
                 window.targets = step_targets if window.targets is None else window.targets + step_targets
             for micro in range(ga):
+                if ctx.before_micro_batch is not None:
+                    ctx.before_micro_batch(micro)
                 ctx.engine.set_grad_sync(model, sync_every or micro == ga - 1)
                 if ctx.step_fn is not None:
                     loss = ctx.step_fn()

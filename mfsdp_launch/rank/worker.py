@@ -132,6 +132,7 @@ def _train(cfg) -> int:
     from ..core import rundir
     from ..core.storage import local_run_dir
     from .loop import LoopContext, TrainState, train
+    from ..components import float8
     from ..components.metrics import device_peaks
     from ..core.mfu import precision_peak, start_line
     from ..components.profiling import build_profiler
@@ -176,6 +177,7 @@ def _train(cfg) -> int:
         stragglers=straggler.build(cfg.train, rt.world_size, rt.device, rt.control),
         masked_labels=bool(getattr(io.next_batch, "masked_labels", False)),
         token_copies=token_copies(cfg, rt),
+        before_micro_batch=float8.micro_batch_hook(cfg.fp8),
     )
     try:
         train(tr.forward_model, cfg.train, state, ctx)

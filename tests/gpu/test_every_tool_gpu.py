@@ -68,6 +68,10 @@ G.train("tool_gpt_torchao_rowwise_compile_head", *GPT, *BF16, "engine=fsdp2", "t
         "fp8.recipe=torchao_rowwise", "train.compile=true", timeout=480)
 G.train("tool_gpt_fused_rowwise_compile_head", *GPT, *BF16, "engine=fsdp2", "train.steps=8",
         "fp8.recipe=fused_rowwise", "train.compile=true", timeout=480)
+for _cache in ("false", "true"):  # fp8.cache_weight_casts: a step's weights cast once, at grad_accum 2 (eager:
+    # the same kernels either way; compiled, the CPU test holds it to the bit under aot_eager)
+    G.train(f"tool_gpt_fused_rowwise_ga2_cache_{_cache}", *GPT, *BF16, "engine=fsdp2", "train.steps=8",
+            "fp8.recipe=fused_rowwise", "train.grad_accum_steps=2", f"fp8.cache_weight_casts={_cache}")
 G.train("tool_gpt_bf16_meg", *GPT, *BF16, "engine=megatron_fsdp", "train.steps=8")
 G.train("tool_gpt_fused_rowwise_meg", *GPT, *BF16, "engine=megatron_fsdp", "train.steps=8", "fp8.recipe=fused_rowwise",
         "fp8.skip=[lm_head]")
@@ -179,6 +183,16 @@ def test_a_fused_rowwise_head_trains_as_bf16_does(request):
     got = assert_learns(r.losses(), 8, min_drop=0.5, what="fused_rowwise, head in FP8")
     assert got[0] != ref[1], "the FP8 run's first loss equals bf16's: no layer ran in FP8"
     assert_close(r.losses(), ref, range(1, 5), rel=0.05, what="fused_rowwise compiled head vs bf16")
+
+
+@uses("tool_gpt_fused_rowwise_ga2_cache_false", "tool_gpt_fused_rowwise_ga2_cache_true")
+def test_cached_weight_casts_give_the_losses_of_fresh_ones(request):
+    """The same kernels on the same weights: the cache changes no bit of the losses."""
+    _fp8_gpu("fused_rowwise")
+    fresh = G.get(request, "tool_gpt_fused_rowwise_ga2_cache_false").ok().losses()
+    cached = G.get(request, "tool_gpt_fused_rowwise_ga2_cache_true").ok().losses()
+    assert_learns(cached, 8, min_drop=0.5, what="fused_rowwise, cached weight casts")
+    assert_close(cached, fresh, range(1, 9), rel=0.0, what="cached vs fresh weight casts")
 
 
 @uses("tool_gpt_bf16_meg", "tool_gpt_fused_rowwise_meg")

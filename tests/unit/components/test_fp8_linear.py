@@ -166,3 +166,71 @@ def test_compiled_the_casts_are_one_node_and_a_shared_input_is_cast_once():
     out = interpreted(_COMPILED)
     assert out["breaks"] == 0 and out["graphs"] == 1, out
     assert out["forward"] == 4, out  # x once, each weight once
+
+
+_CACHED = textwrap.dedent("""
+    import json, torch, torch.nn as nn
+    from mfsdp_launch.components import fp8_casts, fp8_linear
+    from mfsdp_launch.components.fp8_linear import WeightCasts
+    calls = [0]
+    real = fp8_casts.launch_casts
+
+    def counted(x):
+        calls[0] += 1
+        return real(x)
+
+    fp8_linear.launch_casts = fp8_casts.launch_casts = counted
+
+    def model(cache):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(32, 48, bias=False), nn.ReLU(), nn.Linear(48, 16, bias=False))
+        fp8_linear.convert([m[0], m[2]], cache_weight_casts=cache)
+        return m
+
+    def train(m, hook, compiled=False, steps=3, micro=2):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        fwd = torch.compile(m, backend="aot_eager") if compiled else m
+        calls[0] = 0
+        for step in range(steps):
+            for i in range(micro):
+                hook(i)
+                x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + i))
+                fwd(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in m.parameters()], calls[0]
+
+    fresh, fresh_calls = train(model(False), lambda i: None)
+    cached, cached_calls = train(model(True), WeightCasts.before_micro_batch)
+    compiled, _ = train(model(True), WeightCasts.before_micro_batch, compiled=True)
+    # a run whose later steps never refill: the casts of the first step's weights, read on
+    seen = [0]
+
+    def never_again(i):
+        WeightCasts.before_micro_batch(i + seen[0])
+        seen[0] = 1
+
+    stale, _ = train(model(True), never_again)
+    m = model(True).to(dtype=torch.bfloat16)  # (as an engine casts a model: the casts' bits stay bits)
+    buffers = sorted(name for name, _ in m.named_buffers())
+    print(json.dumps(dict(
+        cached=all(torch.equal(a, b) for a, b in zip(fresh, cached)),
+        compiled=all(torch.equal(a, b) for a, b in zip(fresh, compiled)),
+        stale=all(torch.equal(a, b) for a, b in zip(fresh, stale)),
+        calls=[fresh_calls, cached_calls], buffers=buffers, state_dict=sorted(m.state_dict()),
+        dtypes=sorted({str(b.dtype) for _, b in m.named_buffers()}))))
+""")
+
+
+def test_cached_weight_casts_train_as_fresh_ones_and_are_refilled_every_step():
+    """fp8.cache_weight_casts: the first micro-batch of each step writes the casts, the others read
+    them; eager and compiled, the weights end where casting every micro-batch leaves them. A run
+    that never refills ends elsewhere (the cache is what the later micro-batches read)."""
+    out = interpreted(_CACHED)
+    assert out["cached"] and out["compiled"] and not out["stale"], out
+    # 3 steps x 2 micro-batches: forward casts x and W of 2 layers, backward dy: 6 a micro-batch
+    # fresh; cached, the weights' 2 only in each step's first micro-batch
+    assert out["calls"] == [36, 36 - 3 * 2], out["calls"]
+    assert out["buffers"] == sorted(f"{i}.fp8_weight_{n}" for i in (0, 2) for n in ("inv", "inv_t", "q", "qt"))
+    assert out["state_dict"] == ["0.weight", "2.weight"]  # not checkpointed
+    assert out["dtypes"] == ["torch.int32", "torch.uint8"]

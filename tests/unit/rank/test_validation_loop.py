@@ -83,7 +83,7 @@ class StaticStep:
 
 
 def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, stop_at=None, nan_at=None,
-        with_state=False, fused=False, spike_zscore=None, moe=False, graph=False):
+        with_state=False, fused=False, spike_zscore=None, moe=False, graph=False, ga=1, before_micro_batch=None):
     """fused=True: torch's fused AdamW, which skips a bad step on the device, so the loop reads each
     verdict a step late (rank/loop.defers_verdict) unless spike_zscore asks for the host's.
     moe=True: the tiny MoE gpt (moe_model) on token batches instead of the regression MLP.
@@ -113,8 +113,9 @@ def run(tmp_path, *, steps=6, log_interval=2, val_interval=3, validate=True, sto
                       device=torch.device("cpu"), world_size=1, dp_size=1, rank=1, peak_tflops=None,
                       metrics=metrics, checkpoints=types.SimpleNamespace(maybe_save=lambda *a, **k: 0.0, due=lambda *a, **k: False),
                       stop_requested=lambda step: step == stop_at,
-                      val_batch=(lambda i: make(1000 + i)) if validate else None)
-    cfg = TrainConfig(steps=steps, grad_accum_steps=1, micro_batch_size=8, log_interval=log_interval,
+                      val_batch=(lambda i: make(1000 + i)) if validate else None,
+                      before_micro_batch=before_micro_batch)
+    cfg = TrainConfig(steps=steps, grad_accum_steps=ga, micro_batch_size=8, log_interval=log_interval,
                       grad_clip=1.0, val_interval=val_interval, val_steps=2, progress=False, spike_zscore=spike_zscore)
     assert defers_verdict(ctx, cfg) == (fused and spike_zscore is None)
     state = train(model, cfg, TrainState(), ctx)
@@ -219,3 +220,11 @@ def test_a_moe_step_read_late_moves_the_router_bias_as_the_host_verdict_does(tmp
     assert len(rows[0]["moe_load_max"]) == 2 and rows[0]["moe_aux_loss"] > 0.5
     biases = params[len(list(moe_model()[0].parameters())):]
     assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # moved on the applied steps
+
+
+def test_the_loop_announces_each_micro_batch_before_it_runs(tmp_path):
+    """fp8.cache_weight_casts relies on it: index 0 starts every step (a skipped one too), before
+    its forward."""
+    seen = []
+    run(tmp_path / "micro", steps=4, ga=3, validate=False, nan_at=2, before_micro_batch=seen.append)
+    assert seen == [0, 1, 2] * 4
