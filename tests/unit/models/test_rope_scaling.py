@@ -17,8 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from helpers import refused, write_llama_dir  # noqa: E402
-from test_fused_decode import _interpreted  # noqa: E402
+from helpers import interpreted, refused, write_llama_dir  # noqa: E402
 from test_hf_interop import _dims, _gpt  # noqa: E402
 
 from mfsdp_launch.core.errors import ConfigError  # noqa: E402
@@ -313,7 +312,7 @@ _FUSED = textwrap.dedent("""
 
 
 def test_the_fused_decoder_uses_the_scaling():
-    out = _interpreted(_FUSED)
+    out = interpreted(_FUSED)
     assert out["same_inv_freq"]
     for logits, scale in out["diffs"]:
         assert logits <= 1e-5 * max(1.0, scale), out["diffs"]
