@@ -127,7 +127,8 @@ def test_convert_turns_a_gpts_linears_into_fp8_and_a_step_stays_near_high_precis
     assert got == pytest.approx(want, rel=0.02)
 
 
-_COMPILED = textwrap.dedent("""
+# Scripts that count the casts launched: `calls[0]`.
+_COUNTING = textwrap.dedent("""
     import json, torch, torch.nn as nn
     from mfsdp_launch.components import fp8_casts, fp8_linear
     calls = [0]
@@ -138,6 +139,9 @@ _COMPILED = textwrap.dedent("""
         return real(x)
 
     fp8_linear.launch_casts = fp8_casts.launch_casts = counted
+""")
+
+_COMPILED = _COUNTING + textwrap.dedent("""
 
     class QKV(nn.Module):   # three projections of one input, as a Hugging Face attention's
         def __init__(self):
@@ -168,18 +172,8 @@ def test_compiled_the_casts_are_one_node_and_a_shared_input_is_cast_once():
     assert out["forward"] == 4, out  # x once, each weight once
 
 
-_CACHED = textwrap.dedent("""
-    import json, torch, torch.nn as nn
-    from mfsdp_launch.components import fp8_casts, fp8_linear
+_CACHED = _COUNTING + textwrap.dedent("""
     from mfsdp_launch.components.fp8_linear import WeightCasts
-    calls = [0]
-    real = fp8_casts.launch_casts
-
-    def counted(x):
-        calls[0] += 1
-        return real(x)
-
-    fp8_linear.launch_casts = fp8_casts.launch_casts = counted
 
     def model(cache):
         torch.manual_seed(0)
