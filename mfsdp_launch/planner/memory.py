@@ -201,8 +201,11 @@ def _fp8_weight_bytes(cfg, fam, tp: int) -> float:
         return 0.0
     # fp8.cache_weight_casts: both casts of every Linear's weight, unsharded, for the whole run
     cached = CACHED_CAST_BYTES if recipe is FP8Recipe.fused_rowwise and cfg.fp8.cache_weight_casts else 0.0
-    if not hasattr(fam, "dims"):  # TE toys, measured families: all their weights
-        return (FP8_WEIGHT_BYTES + cached) * fam.param_count(cfg.model)
+    if not hasattr(fam, "dims"):  # TE toys, measured families: all their weights (under activation
+        # checkpointing a measured family keeps about one unit's: its largest)
+        n = fam.param_count(cfg.model)
+        checkpointed = fam.measured and str(cfg.model.activation_checkpointing) != "none"
+        return FP8_WEIGHT_BYTES * (fam.largest_unit_params(cfg.model) if checkpointed else n) + cached * n
     from ..models.llama.dims import layer_params, live_blocks
 
     d = fam.dims(cfg.model)

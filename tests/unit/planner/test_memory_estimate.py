@@ -105,6 +105,16 @@ def test_fp8_weights_cost_until_they_are_the_params():
                   "train.grad_accum_steps=2")
     plain = _est("model=gpt", "engine=fsdp2", "fp8.recipe=fused_rowwise", "train.grad_accum_steps=2")
     assert 2 * 7.4e9 < cached.fp8_weights - plain.fp8_weights < 2 * 7.6e9
+    # model=hf (measured): every weight's cast without activation checkpointing, about one unit's with it
+    llama = ("model.hf_config={model_type: llama, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 8, "
+             "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 512}")
+    hf = {}
+    for ac in ("none", "full"):
+        cfg, _ = prepare(["model=hf", llama, "fp8.recipe=fused_rowwise", f"model.activation_checkpointing={ac}",
+                          "precision.compute_dtype=bf16", "launcher.nproc_per_node=2", "launcher.dry_run=true"],
+                         check_hardware=False)
+        hf[ac] = estimate(cfg, ParallelDims.from_config(cfg.mesh, 2)).fp8_weights
+    assert 0 < hf["full"] < hf["none"] / 4, hf
 
 
 def test_fsdp2_holds_one_weight_copy_and_no_grads_at_the_peak():
