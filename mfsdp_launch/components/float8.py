@@ -55,8 +55,9 @@ def check_config(fp8, *, supported: Sequence[str], model: str, tp: int, linear_m
         raise ConfigError("fp8.attention", f"true is TE's FP8 attention, not available with {recipe}", "false")
 
 
-def check_weight_cache(fp8, *, grad_accum_steps: int, engine: str) -> None:
-    """fp8.cache_weight_casts where it does something and was run (torch-free)."""
+def check_weight_cache(fp8, *, grad_accum_steps: int, caps) -> None:
+    """fp8.cache_weight_casts where it does something and is wired (torch-free; `caps`: the
+    engine's EngineCaps)."""
     if not fp8.cache_weight_casts:
         return
     if FP8Recipe(fp8.recipe) is not FP8Recipe.fused_rowwise:
@@ -65,8 +66,12 @@ def check_weight_cache(fp8, *, grad_accum_steps: int, engine: str) -> None:
     if grad_accum_steps == 1:
         raise ConfigError("fp8.cache_weight_casts", "true does nothing at train.grad_accum_steps=1: each weight is "
                           "cast once a step already", "false, or train.grad_accum_steps > 1")
-    if engine != "fsdp2":
-        raise ConfigError("fp8.cache_weight_casts", f"true is wired for engine=fsdp2, not engine={engine}", "false")
+    if not caps.fp8_weight_cache:
+        from ..engines import ENGINES
+
+        wired = "|".join(name for name, c in ENGINES.items() if c.fp8_weight_cache)
+        raise ConfigError("fp8.cache_weight_casts", f"true is wired for engine={wired}, not engine={caps.name}",
+                          "false")
 
 
 def micro_batch_hook(fp8_cfg):
@@ -112,9 +117,8 @@ def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emula
     if recipe is FP8Recipe.fused_rowwise:
         from . import fp8_linear
 
-        high = set(kept)
-        fp8_linear.convert((m for name, m in modules.items() if isinstance(m, nn.Linear) and name not in high),
-                           cache_weight_casts=bool(fp8_cfg.cache_weight_casts))
+        linears = (m for name, m in modules.items() if isinstance(m, nn.Linear) and _eligible(m, name, skipped))
+        fp8_linear.convert(linears, cache_weight_casts=bool(fp8_cfg.cache_weight_casts))
     else:
         _convert_torchao(model, recipe, skipped, all_gather=all_gather, emulate=emulate)
         for name, old in modules.items():

@@ -40,6 +40,9 @@ class EngineCaps:
     # all-gather, as rowwise's always does).
     linear_fp8: bool = False
     torchao_fp8_all_gather: bool = False
+    # fp8.cache_weight_casts: fused_rowwise layers keep their weight casts in buffers of their own
+    # across a step's micro-batches (components/fp8_linear.py); run under FSDP2 only.
+    fp8_weight_cache: bool = False
     # mesh.ep > 1: expert weights sharded over the expert-data-parallel ranks (models/llama/expert_parallel.py).
     expert_parallel: bool = False
     section: type = EngineConfig  # its `engine` config section (engines/config.py)
@@ -78,7 +81,7 @@ ENGINES: Dict[str, EngineCaps] = {
             tp_modes=frozenset({Parallel.DTENSOR}), cp_modes=frozenset({Parallel.ALLGATHER}), section=FSDP2Config,
             muon=True,
             # CPUOffloadPolicy; torchao's Float8Linear and its FP8 all-gather are built for fully_shard.
-            cpu_offload=True, linear_fp8=True, torchao_fp8_all_gather=True,
+            cpu_offload=True, linear_fp8=True, torchao_fp8_all_gather=True, fp8_weight_cache=True,
             # The experts' own fully_shard over the expert-data-parallel mesh, as torchtitan's.
             expert_parallel=True,
         ),
