@@ -55,9 +55,9 @@ def check_config(fp8, *, supported: Sequence[str], model: str, tp: int, linear_m
         raise ConfigError("fp8.attention", f"true is TE's FP8 attention, not available with {recipe}", "false")
 
 
-def check_weight_cache(fp8, *, grad_accum_steps: int, caps) -> None:
+def check_weight_cache(fp8, *, grad_accum_steps: int, caps, wired: Sequence[str]) -> None:
     """fp8.cache_weight_casts where it does something and is wired (torch-free; `caps`: the
-    engine's EngineCaps)."""
+    engine's EngineCaps, `wired`: the engines whose caps take it)."""
     if not fp8.cache_weight_casts:
         return
     if FP8Recipe(fp8.recipe) is not FP8Recipe.fused_rowwise:
@@ -67,11 +67,8 @@ def check_weight_cache(fp8, *, grad_accum_steps: int, caps) -> None:
         raise ConfigError("fp8.cache_weight_casts", "true does nothing at train.grad_accum_steps=1: each weight is "
                           "cast once a step already", "false, or train.grad_accum_steps > 1")
     if not caps.fp8_weight_cache:
-        from ..engines import ENGINES
-
-        wired = "|".join(name for name, c in ENGINES.items() if c.fp8_weight_cache)
-        raise ConfigError("fp8.cache_weight_casts", f"true is wired for engine={wired}, not engine={caps.name}",
-                          "false")
+        raise ConfigError("fp8.cache_weight_casts", f"true is wired for engine={'|'.join(wired)}, not "
+                          f"engine={caps.name}", "false")
 
 
 def micro_batch_hook(fp8_cfg):

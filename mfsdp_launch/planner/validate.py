@@ -127,7 +127,8 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
     from ..components import float8
 
     f = cfg.fp8
-    float8.check_weight_cache(f, grad_accum_steps=int(cfg.train.grad_accum_steps), caps=caps)
+    float8.check_weight_cache(f, grad_accum_steps=int(cfg.train.grad_accum_steps), caps=caps,
+                              wired=[name for name, c in ENGINES.items() if c.fp8_weight_cache])
     if f.recipe == FP8Recipe.none:
         if f.params:
             raise ConfigError("fp8.params", "true has no effect with fp8.recipe=none", "false, or an fp8.recipe")
