@@ -517,7 +517,7 @@ def render_memory(res: dict) -> None:
               "| point | engine, model, ZeRO, AC, tp, cp, FP8, seq x mbs | estimate GiB | measured GiB | ratio | source |",
               "|---|---|---|---|---|---|"]
     for e in memory_reference():
-        est = estimate_entry(e, 2).get("estimate_gib")
+        est = estimate_entry(e, e.get("world", 2)).get("estimate_gib")
         lines.append(f"| {e['name']} | {_axes(e)} | {_fmt(est, '.1f')} | {e['measured_gib']:.1f} | "
                      f"{_fmt(est / e['measured_gib'] if est else None, '.2f')} | {e['source']} |")
     by = {r["name"]: r for r in runs if r.get("ok")}

@@ -53,10 +53,14 @@ class MeasuredFamily(ModelFamily):
         return out + [Matmul("", max(rest, 0.0), HIGH)]
 
     def activation_bytes(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int) -> int:
+        return sum(self.activation_parts(m, micro_batch_size, seq_len, bytes_per_el).values())
+
+    def activation_parts(self, m, micro_batch_size: int, seq_len: int, bytes_per_el: int, tp: int = 1,
+                         compiled: bool = False) -> dict:
         p = self.probe(m)
-        return P.activation_bytes(p, micro_batch_size, seq_len, bytes_per_el, p["vocab_size"],
+        return P.activation_parts(p, micro_batch_size, seq_len, bytes_per_el, p["vocab_size"],
                                   mode=str(m.activation_checkpointing), every=m.ac_every,
-                                  chunked_loss=str(getattr(m, "loss_kernel", "torch")) == "chunked")
+                                  loss_kernel=str(getattr(m, "loss_kernel", "torch")), compiled=compiled)
 
     def unit_classes(self, m) -> tuple:
         """The FSDP unit classes the probe found (model.fsdp_unit_modules, or the model's own)."""

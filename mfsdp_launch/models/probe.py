@@ -187,13 +187,16 @@ def measure(model: "nn.Module", unit_classes: Sequence[type]) -> Dict[str, Any]:
     }
 
 
-def activation_bytes(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, bytes_per_el: int,
+def activation_parts(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, bytes_per_el: int,
                      vocab_size: Optional[int], *, mode: str = "none", every: int = 1,
-                     chunked_loss: bool = False) -> int:
-    """Bytes of activations from a probe's per-token elements (model.activation_checkpointing
-    `mode`, every `every`-th unit when selective), plus the logits' fp32 copy; with
-    `chunked_loss` (model.loss_kernel=chunked) no logits per token, one chunk's loss instead."""
+                     loss_kernel: str = "torch", compiled: bool = False) -> Dict[str, int]:
+    """The memory estimate's lines from a probe's per-token elements, split and priced as gpt's
+    (models/llama/dims.py): {"activations": the units (model.activation_checkpointing `mode`,
+    every `every`-th unit when selective), "logits": the head's output and the loss's buffers
+    (`loss_bytes_per_logit`; `compiled`: train.compile's cross-entropy, which keeps the bf16 logits
+    and no fp32 copy of them); under model.loss_kernel=chunked one chunk's loss instead."""
     from .activation_checkpoint import checkpointed_blocks
+    from .llama.dims import loss_bytes_per_logit
 
     a = p["activations"]
     n = int(a.get("units", 0))
@@ -206,13 +209,17 @@ def activation_bytes(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, 
         per_token = a["per_token"] - k * (a["unit_elements"] - a["width"])
     tokens = micro_batch_size * seq_len
     vocab = vocab_size or 0
-    if chunked_loss:  # the head's output (counted among the Linear outputs above) never exists whole
+    # The head's output is among the Linear outputs counted per token: the logits line prices it.
+    activations = int(tokens * (per_token - vocab) * bytes_per_el)
+    if loss_kernel == "chunked":  # the head's output never exists whole
         from .chunked_loss import chunk_loss_bytes
 
         width = int((p.get("dims") or {}).get("dim", 0) or a.get("width", 0))
-        return int(tokens * (per_token - vocab) * bytes_per_el + chunk_loss_bytes(vocab, tokens, width))
-    # The same cross-entropy as gpt's lm_loss (its fp32 buffers, models/llama/dims.py), on top of the
-    # head's output counted above.
-    from .llama.dims import LOSS_BYTES_PER_LOGIT
-
-    return int(tokens * (per_token * bytes_per_el + LOSS_BYTES_PER_LOGIT * vocab))
+        return {"activations": activations, "logits": int(chunk_loss_bytes(vocab, tokens, width))}
+    per_logit = loss_bytes_per_logit(loss_kernel, compiled)
+    if per_logit == loss_bytes_per_logit("torch"):
+        # The plain loss's fp32 buffers, and beside them the model's bf16 logits, which it returns
+        # and the loop holds (measured: hfac_llama1b_s8192_none_fsdp2); the compiled and the fused
+        # loss's counts include them.
+        per_logit += bytes_per_el
+    return {"activations": activations, "logits": int(tokens * vocab * per_logit)}
