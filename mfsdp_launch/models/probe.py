@@ -210,14 +210,14 @@ def activation_parts(p: Mapping[str, Any], micro_batch_size: int, seq_len: int, 
     tokens = micro_batch_size * seq_len
     vocab = vocab_size or 0
     # The head's output is among the Linear outputs counted per token: the logits line prices it.
-    activations = int(tokens * (per_token - vocab) * bytes_per_el)
+    activations = int(tokens * max(per_token - vocab, 0) * bytes_per_el)
     if loss_kernel == "chunked":  # the head's output never exists whole
         from .chunked_loss import chunk_loss_bytes
 
         width = int((p.get("dims") or {}).get("dim", 0) or a.get("width", 0))
         return {"activations": activations, "logits": int(chunk_loss_bytes(vocab, tokens, width))}
     per_logit = loss_bytes_per_logit(loss_kernel, compiled)
-    if per_logit == loss_bytes_per_logit("torch"):
+    if loss_kernel != "te_fused" and not compiled:
         # The plain loss's fp32 buffers, and beside them the model's bf16 logits, which it returns
         # and the loop holds (measured: hfac_llama1b_s8192_none_fsdp2); the compiled and the fused
         # loss's counts include them.

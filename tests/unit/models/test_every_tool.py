@@ -288,3 +288,22 @@ def test_the_memory_estimate_knows_the_chunked_loss():
 
     # 32k tokens x 128k vocabulary: the plain loss's 6 bytes a logit (25 GB) against one chunk's 1.9 GB
     assert act("torch") - act("chunked") > 20e9, (act("torch"), act("chunked"))
+
+
+def test_the_memory_estimate_prices_hf_logits_as_gpts():
+    """The logits are a line of their own, priced by gpt's rule: train.compile's cross-entropy keeps
+    6 bytes a logit (the old count, 14, put the 8B HF slice at 72.6 GiB against 59.6 measured);
+    the plain loss its 12 fp32 bytes and the model's bf16 logits."""
+    from helpers import model_cfg
+    from mfsdp_launch.models import family
+    from mfsdp_launch.models.llama.dims import COMPILED_LOSS_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT
+
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128256)
+    m = model_cfg("hf", hf_class="LlamaForCausalLM", hf_config=fields)
+    logits = 8192 * 128256
+    compiled = family("hf").activation_parts(m, 1, 8192, 2, compiled=True)
+    plain = family("hf").activation_parts(m, 1, 8192, 2)
+    assert compiled["logits"] == logits * COMPILED_LOSS_BYTES_PER_LOGIT
+    assert plain["logits"] == logits * (LOSS_BYTES_PER_LOGIT + 2)
+    assert compiled["activations"] == plain["activations"] < logits  # the head's output left to the logits line
