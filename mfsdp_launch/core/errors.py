@@ -21,3 +21,11 @@ class ConfigError(ValueError):
         if self.allowed:
             msg += f" (allowed: {self.allowed})"
         return msg
+
+
+def check_at_least(section, prefix: str, keys: Iterable[str], minimum: int) -> None:
+    """Refuse the first of `section`'s `keys` below `minimum`, named `prefix.key`."""
+    for key in keys:
+        value = getattr(section, key)
+        if value < minimum:
+            raise ConfigError(f"{prefix}.{key}", f"must be >= {minimum}, got {value}")

@@ -8,7 +8,7 @@ from typing import List
 
 from ..components.profiling import check_profile
 from ..core.dtypes import OPTIM_STATE_DTYPES, Dtype
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, check_at_least
 from ..core.fp8 import on_linears
 from ..core.schema import Backend, CudaGraphMode, OptimImpl
 from ..core.schema import OptimConfig, OptimName, Schedule
@@ -31,9 +31,7 @@ def _check_cpu_offload(cfg, caps: EngineCaps) -> None:
 def check_train(cfg, caps: EngineCaps) -> List[str]:
     """train.* (and the optimizer rules that depend on it); returns warnings."""
     t, o = cfg.train, cfg.optim
-    for key in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "log_interval"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    check_at_least(t, "train", ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "log_interval"), 1)
     if t.straggler_ratio != 0 and not t.straggler_ratio > 1:
         raise ConfigError("train.straggler_ratio", f"must be > 1, or 0 (off), got {t.straggler_ratio}",
                           "e.g. 1.5, or 0")
@@ -112,9 +110,7 @@ def _check_state_dtype(o) -> None:
 
 
 def _check_bad_steps(t) -> None:
-    for key in ("max_bad_steps", "max_rollbacks"):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"train.{key}", f"must be >= 0, got {getattr(t, key)}")
+    check_at_least(t, "train", ("max_bad_steps", "max_rollbacks"), 0)
     if not 0 < t.rollback_lr_scale <= 1:
         raise ConfigError("train.rollback_lr_scale", f"must be in (0, 1], got {t.rollback_lr_scale}",
                           "1 (the same LR) or a factor below 1")

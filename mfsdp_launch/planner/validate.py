@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ..core.dtypes import Dtype
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, check_at_least
 from ..core.fp8 import FP8Recipe, on_linears
 from ..core import k8s, storage
 from ..core.schema import KUBERNETES_KINDS, CudaGraphMode, LauncherKind, ResumeMode
@@ -76,9 +76,7 @@ def _check_run_location(run, lc) -> None:
 
 
 def _check_launcher(lc) -> None:
-    for key in ("nproc_per_node", "nnodes"):
-        if getattr(lc, key) < 1:
-            raise ConfigError(f"launcher.{key}", f"must be >= 1, got {getattr(lc, key)}")
+    check_at_least(lc, "launcher", ("nproc_per_node", "nnodes"), 1)
     if not 0 <= lc.node_rank < lc.nnodes:
         raise ConfigError("launcher.node_rank", f"{lc.node_rank} is not a node of {lc.nnodes}",
                           f"0..{lc.nnodes - 1}")

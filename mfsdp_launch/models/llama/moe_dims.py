@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, check_at_least
 
 ROUTERS = ("softmax", "sigmoid")
 DEFAULTS: Dict[str, Any] = dict(top_k=2, shared_experts=0, every=1, router="softmax", aux_loss_coef=1e-3,
@@ -113,9 +113,7 @@ def check_moe(d: MoEDims, given: Dict[str, Any]) -> None:
                           f"1..{d.experts} (experts each token goes to)")
     if d.shared_experts < 0:
         raise ConfigError("model.moe.shared_experts", f"must be >= 0, got {d.shared_experts}")
-    for key in ("ffn_dim", "every"):
-        if getattr(d, key) < 1:
-            raise ConfigError(f"model.moe.{key}", f"must be >= 1, got {getattr(d, key)}")
+    check_at_least(d, "model.moe", ("ffn_dim", "every"), 1)
     if d.router not in ROUTERS:
         raise ConfigError("model.moe.router", f"unknown router {d.router!r}", list(ROUTERS))
     for key in ("aux_loss_coef", "z_loss_coef"):
