@@ -228,3 +228,122 @@ def test_cached_weight_casts_train_as_fresh_ones_and_are_refilled_every_step():
     assert out["buffers"] == sorted(f"{i}.fp8_weight_{n}" for i in (0, 2) for n in ("inv", "inv_t", "q", "qt"))
     assert out["state_dict"] == ["0.weight", "2.weight"]  # not checkpointed
     assert out["dtypes"] == ["torch.int32", "torch.uint8"]
+
+
+_SHARED = _COUNTING + textwrap.dedent("""
+
+    class QKV(nn.Module):   # q/k/v of one input, k with a bias (Qwen2's); `kv`: another input for k, v
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(64, n, bias=b) for n, b in ((64, False), (32, True), (48, False)))
+
+        def forward(self, x, kv=None):
+            kv = x if kv is None else kv
+            return self.q(x).sum(-1) + self.k(kv).sum(-1) * 2 + self.v(kv).sum(-1) * 3
+
+    def make(group):
+        torch.manual_seed(0)
+        m = QKV()
+        fp8_linear.convert([m.q, m.k, m.v], shared_inputs=[[m.q, m.k, m.v]] if group else ())
+        return m
+
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+
+    def run(m, compiled=False, kv=None):
+        xi = x.clone().requires_grad_(True)
+        f = torch.compile(m, backend="aot_eager") if compiled else m
+        calls[0] = 0
+        y = f(xi, kv)
+        forward = calls[0]
+        y.sum().backward()
+        return y.detach(), xi.grad, [p.grad for p in m.parameters()], [forward, calls[0]]
+
+    rel = lambda a, c: ((a.float() - c.float()).norm() / c.float().norm()).item()
+    plain, grouped = run(make(False)), run(make(True))
+    explained = torch._dynamo.explain(make(True))(x)
+    torch._dynamo.reset()
+    compiled = run(make(True), compiled=True)
+    other = torch.randn(2, 16, 64)
+    cross_grouped, cross_plain = run(make(True), kv=other), run(make(False), kv=other)
+    held = make(True)
+    held(x)
+    group = held.q.fp8_shared_input[0]
+    print(json.dumps(dict(
+        y=rel(grouped[0], plain[0]), dx=rel(grouped[1], plain[1]), dw=[rel(a, b) for a, b in zip(grouped[2], plain[2])],
+        calls=[plain[3], grouped[3], compiled[3]],
+        compiled_equal=[torch.equal(a, b) for a, b in zip([compiled[0], compiled[1], *compiled[2]],
+                                                          [grouped[0], grouped[1], *grouped[2]])],
+        breaks=explained.graph_break_count, graphs=explained.graph_count,
+        cross=[rel(a, b) for a, b in zip([cross_grouped[0], cross_grouped[1], *cross_grouped[2]],
+                                          [cross_plain[0], cross_plain[1], *cross_plain[2]])],
+        released=group.source is None and group.held == [None] * 3)))
+""")
+
+
+def test_linears_that_share_an_input_run_as_one_gemm():
+    """q/k/v of one input as one FP8 layer over their concatenated weights: the forward and the
+    weight gradients are each layer's own (the same row scales), the input gradient moves by the
+    scales the group shares (gpt's fused wqkv numerics); two casts a forward instead of six
+    eagerly (four compiled), no graph break, compiled equal to eager; a member called on another
+    tensor (cross-attention) gets its own layer's result; nothing is held past the last member."""
+    out = interpreted(_SHARED)
+    assert out["y"] == 0.0 and out["dw"] == [0.0] * 4, out
+    assert 0 < out["dx"] < 0.01, out
+    assert out["calls"] == [[6, 9], [2, 3], [2, 3]], out
+    assert out["breaks"] == 0 and out["graphs"] == 1 and all(out["compiled_equal"]), out
+    assert out["cross"] == [0.0] * 6 and out["released"], out
+
+
+_HF_SHARED = _COUNTING + textwrap.dedent("""
+    from mfsdp_launch.components import float8
+    from mfsdp_launch.core.schema import FP8Config
+    from mfsdp_launch.models.hf import model as hf_model
+    from mfsdp_launch.models.hf.tensor_parallel import shared_input_linears
+    from mfsdp_launch.models.losses import cross_entropy_loss
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    out = {}
+    for arch in ("llama", "qwen2"):   # qwen2: q/k/v with biases
+        src = hf_model.resolve_hf_model(hf_config=dict(model_type=arch, **tiny))
+        runs = {}
+        for grouped in (False, True):
+            torch.manual_seed(0)
+            model = hf_model.build_hf_model(src)
+            groups = shared_input_linears(model) if grouped else []
+            names = {id(m): n for n, m in model.named_modules()}
+            float8.convert(model, FP8Config(recipe="fused_rowwise", skip=["lm_head"]), shared_inputs=groups)
+            calls[0] = 0
+            loss = cross_entropy_loss(model, batch)
+            forward = calls[0]
+            loss.backward()
+            runs[grouped] = dict(loss=loss.item(), calls=[forward, calls[0]],
+                                 groups=[[names[id(m)] for m in g] for g in groups],
+                                 grads={n: p.grad for n, p in model.named_parameters()},
+                                 line=float8.shared_input_line(model))
+        plain, grouped = runs[False], runs[True]
+        worst = max(((grouped["grads"][n] - g).norm() / g.norm()).item() for n, g in plain["grads"].items())
+        out[arch] = dict(loss=[plain["loss"], grouped["loss"]], calls=[plain["calls"], grouped["calls"]],
+                         groups=grouped["groups"], worst_grad=worst, lines=[plain["line"], grouped["line"]])
+    print(json.dumps(out))
+""")
+
+
+def test_a_hugging_face_llamas_q_k_v_and_gate_up_run_as_one_gemm_each():
+    """The HF family names the Linears of each decoder layer that read one input (its tensor-
+    parallel plan's colwise layers of one gathered module); under fused_rowwise they run as one
+    GEMM each: eagerly 8 casts a layer's forward instead of 14, the same loss, gradients within
+    FP8's reach of each layer's own casts, and the start line says so."""
+    out = interpreted(_HF_SHARED)
+    for arch in ("llama", "qwen2"):
+        got = out[arch]
+        assert got["groups"] == [[f"model.layers.{i}.{p}" for p in names] for i in (0, 1)
+                                 for names in (("mlp.gate_proj", "mlp.up_proj"),
+                                               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))], got["groups"]
+        assert got["calls"] == [[2 * 14, 2 * 14 + 2 * 7], [2 * 8, 2 * 8 + 2 * 4]], got["calls"]
+        assert got["loss"][1] == pytest.approx(got["loss"][0], rel=1e-6)
+        assert 0 < got["worst_grad"] < 0.05, got["worst_grad"]
+        assert got["lines"] == ["", "fp8.recipe=fused_rowwise: 4 groups of Linears that read one input "
+                                    "(gate_proj/up_proj, q_proj/k_proj/v_proj) run as one FP8 GEMM each"], got["lines"]
