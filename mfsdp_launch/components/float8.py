@@ -95,15 +95,13 @@ def _eligible(module, fqn: str, skipped: List[str]) -> bool:
     return fp8_shape(module.in_features, module.out_features)  # the rule mfu_at_precision counts by
 
 
-def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emulate: bool = False,
-            shared_inputs: Sequence[Sequence["torch.nn.Module"]] = ()) -> List[str]:
+def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emulate: bool = False) -> List[str]:
     """Put the eligible Linears of `model` in FP8 in place (torchao's Float8Linear, or ours under
     fused_rowwise) and turn on the FP8 grouped GEMMs of its grouped experts (modules with
     `enable_fp8`); returns the names of the Linears and experts kept in high precision (fp8.skip
     or a dimension not a multiple of 16). `all_gather`: tensorwise weights all-gather in FP8 (the
     engine's EngineCaps.torchao_fp8_all_gather). `emulate`: torchao's high-precision emulation
-    (tests on CPU). `shared_inputs`: groups of Linears that read one input (ModelSpec's), one GEMM
-    each under fused_rowwise."""
+    (tests on CPU)."""
     import torch.nn as nn
 
     recipe = FP8Recipe(fp8_cfg.recipe)
@@ -117,7 +115,7 @@ def convert(model: "torch.nn.Module", fp8_cfg, *, all_gather: bool = True, emula
         from . import fp8_linear
 
         linears = (m for name, m in modules.items() if isinstance(m, nn.Linear) and _eligible(m, name, skipped))
-        fp8_linear.convert(linears, cache_weight_casts=bool(fp8_cfg.cache_weight_casts), shared_inputs=shared_inputs)
+        fp8_linear.convert(linears, cache_weight_casts=bool(fp8_cfg.cache_weight_casts))
     else:
         _convert_torchao(model, recipe, skipped, all_gather=all_gather, emulate=emulate)
         for name, old in modules.items():
@@ -176,22 +174,6 @@ def after_optimizer_steps(model: "torch.nn.Module", optimizer, fp8_cfg, *, all_g
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
-
-
-def shared_input_line(model: "torch.nn.Module") -> str:
-    """One line naming the groups of Linears that run as one FP8 GEMM (fused_rowwise's
-    `SharedInput`s, fp8_linear.py), or ''."""
-    names = {id(m): name for name, m in model.named_modules()}
-    groups = {}
-    for m in model.modules():
-        if hasattr(m, "fp8_shared_input"):
-            shared = m.fp8_shared_input[0]
-            groups[id(shared)] = [names.get(id(x), "?").rsplit(".", 1)[-1] for x in shared.members]
-    if not groups:
-        return ""
-    kinds = sorted({"/".join(g) for g in groups.values()})
-    return (f"fp8.recipe=fused_rowwise: {len(groups)} groups of Linears that read one input ({', '.join(kinds)}) "
-            "run as one FP8 GEMM each")
 
 
 def outside(model: "torch.nn.Module", units: Sequence["torch.nn.Module"]) -> List["torch.nn.Module"]:

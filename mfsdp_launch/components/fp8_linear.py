@@ -18,17 +18,11 @@ layer keeps its weight's two casts in buffers of its own (uint8 and int32 bits, 
 `.to(dtype)` leaves alone; not in the state dict), written by the step's first micro-batch and read
 by the others (`WeightCasts.fill`, set by the loop before each micro-batch). The first
 micro-batch uses the casts it made, so no tensor a backward reads is ever overwritten.
-
-Linears that read one input (a Hugging Face attention's q/k/v projections, its MLP's gate/up:
-the family names them, models/hf/tensor_parallel.py) run as one layer over their concatenated
-weights, as gpt's fused wqkv and w_gate_up do (`SharedInput`): one GEMM and three casts where
-each alone would take its own, and launches are what a host-bound step pays for. The weight's
-per-input-channel scales then span the group's rows (gpt's numerics, not each layer's own).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -97,39 +91,7 @@ class WeightCasts:
 _CACHE = ("fp8_weight_q", "fp8_weight_inv", "fp8_weight_qt", "fp8_weight_inv_t")
 
 
-class SharedInput:
-    """Linears called one after another on the same input tensor. The first call runs one FP8
-    layer over their concatenated weights and holds the others' outputs until each member asks
-    for its own; a member called on another tensor (or with a held output already taken) runs the
-    group again on what it got, so a caller that breaks the pattern is slower, never wrong.
-    torch.compile traces the held outputs as ordinary values of the layer's graph."""
-
-    def __init__(self, members: Sequence[nn.Linear]):
-        self.members = list(members)
-        self.widths = [m.out_features for m in self.members]
-        self.source: Optional[torch.Tensor] = None
-        self.held: List[Optional[torch.Tensor]] = [None] * len(self.members)
-
-    def output(self, slot: int, x: torch.Tensor) -> torch.Tensor:
-        if self.source is x and self.held[slot] is not None:
-            y, self.held[slot] = self.held[slot], None
-            if all(h is None for h in self.held):
-                self.source = None  # (nothing of this call stays referenced past it)
-            return y
-        weight = torch.cat([m.weight for m in self.members])
-        outs = list(fp8_linear(x, weight).split(self.widths, dim=-1))
-        for i, m in enumerate(self.members):
-            if m.bias is not None:
-                outs[i] = outs[i] + m.bias
-        y, outs[slot] = outs[slot], None
-        self.held, self.source = outs, x
-        return y
-
-
 def _forward(self, x):
-    shared = getattr(self, "fp8_shared_input", None)
-    if shared is not None:
-        return shared[0].output(shared[1], x)
     if not hasattr(self, _CACHE[0]) or not torch.is_grad_enabled():  # (evaluation: the weights of now)
         return fp8_linear(x, self.weight, self.bias)
     bufs = [getattr(self, name) for name in _CACHE]
@@ -154,16 +116,12 @@ def _fp8_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def convert(linears: Iterable[nn.Linear], cache_weight_casts: bool = False,
-            shared_inputs: Sequence[Sequence[nn.Linear]] = ()) -> List[List[nn.Linear]]:
+def convert(linears: Iterable[nn.Linear], cache_weight_casts: bool = False) -> None:
     """Turn each of `linears` into a rowwise FP8 layer in place (components/float8.py chooses them),
     with buffers for its weight's casts under `cache_weight_casts`, and register the casts' custom
     op, outside any torch.compile trace (traced, its registration would break the graph at every
-    call). Each group of `shared_inputs` (Linears that read one input) whose members are all
-    converted, alike in input width and weight dtype, runs as one layer (`SharedInput`; not with
-    cached weight casts, which are each layer's own); returns the groups that do."""
+    call)."""
     casts_op()
-    linears = list(linears)
     for m in linears:
         m.__class__ = _fp8_class(type(m))
         if cache_weight_casts:
@@ -171,12 +129,3 @@ def convert(linears: Iterable[nn.Linear], cache_weight_casts: bool = False,
             shapes = ((n, k), (n,), (k, n), (k,))
             for name, shape, dtype in zip(_CACHE, shapes, (torch.uint8, torch.int32, torch.uint8, torch.int32)):
                 m.register_buffer(name, torch.zeros(shape, dtype=dtype, device=m.weight.device), persistent=False)
-    converted = {id(m) for m in linears}
-    grouped = [list(g) for g in shared_inputs if len(g) > 1 and not cache_weight_casts
-               and all(id(m) in converted for m in g)
-               and len({(m.in_features, m.weight.dtype) for m in g}) == 1]
-    for group in grouped:
-        shared = SharedInput(group)
-        for slot, m in enumerate(group):
-            m.fp8_shared_input = (shared, slot)  # (a plain attribute: not a submodule, not state)
-    return grouped

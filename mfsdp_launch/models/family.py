@@ -86,9 +86,6 @@ class ModelSpec:
     # or a 0-d device flag (1.0: applied) when the verdict is read late. None: nothing to do.
     after_step: Optional[Callable[["nn.Module", object], dict]] = None
     peft_line: str = ""  # what trains, when model.peft adapted the built model (models/lora.py: adapt)
-    # The groups of Linears that read one input tensor (an attention's q/k/v, an MLP's gate/up),
-    # which fp8.recipe=fused_rowwise runs as one GEMM each; None where the model fuses them itself.
-    shared_inputs: Optional[Callable[["nn.Module"], List[List["nn.Module"]]]] = None
 
 
 class ModelFamily:

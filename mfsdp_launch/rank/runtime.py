@@ -95,7 +95,6 @@ class Training:
     fp8_kept: List[str]  # modules fp8.skip keeps in high precision
     peft_line: str = ""  # model.peft: what trains (printed at the start)
     compile_line: str = ""  # train.compile: what was compiled (printed at the start)
-    fp8_line: str = ""  # fused_rowwise: the Linears that run as one GEMM (printed at the start)
 
     def forward_context(self):
         return precision.fp8_autocast(self.fp8_recipe)
@@ -115,8 +114,7 @@ def build_model(model_cfg, fp8_cfg, seq_len: int, device: torch.device, fp8_reci
         spec.peft_line = lora.adapt(spec, model, model_cfg.peft)
         frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     if on_linears(fp8_cfg.recipe):  # FP8 on the plain Linears (torchao's or ours), no TE recipe
-        kept = float8.convert(model, fp8_cfg, all_gather=fp8_all_gather,
-                              shared_inputs=spec.shared_inputs(model) if spec.shared_inputs else ())
+        kept = float8.convert(model, fp8_cfg, all_gather=fp8_all_gather)
     else:
         kept = precision.apply_fp8_skip(model, list(fp8_cfg.skip)) if fp8_recipe is not None and fp8_cfg.skip else []
     return spec, model, frozen, kept
@@ -164,8 +162,7 @@ def build_training(cfg, rt: Runtime) -> Training:
         float8.after_optimizer_steps(model, optimizer, cfg.fp8, all_gather=fp8_all_gather)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)  # after the engine patched step()
     return Training(spec, model, forward_model, engine, optimizer, scheduler, fp8_recipe, frozen, kept,
-                    peft_line=spec.peft_line, compile_line=compile_line,
-                    fp8_line=float8.shared_input_line(model) if on_linears(cfg.fp8.recipe) else "")
+                    peft_line=spec.peft_line, compile_line=compile_line)
 
 
 def check_gpu_only(cfg) -> None:

@@ -200,7 +200,7 @@ def _print_start(cfg, rt, tr, mfu: str) -> None:
         kept = tr.fp8_kept
         print(f"fp8.skip: {len(kept)} module(s) stay in {cfg.precision.compute_dtype}: {', '.join(kept[:4])}"
               f"{' ...' if len(kept) > 4 else ''}", flush=True)
-    for line in (tr.peft_line, tr.compile_line, tr.fp8_line):
+    for line in (tr.peft_line, tr.compile_line):
         if line:
             print(line, flush=True)
     frozen = f" ({len(tr.frozen)} frozen tensors)" if tr.frozen else ""

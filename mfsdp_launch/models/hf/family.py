@@ -166,7 +166,6 @@ class HFFamily(MeasuredFamily):
         from ..losses import hf_loss
         from ...components.precision import torch_dtype
         from ..family import resolve_unit_modules
-        from .tensor_parallel import shared_input_linears
 
         p, src, dtype = self.probe(m), self._source(m), torch_dtype(m.params_dtype)
         chunked = str(m.loss_kernel) == "chunked"
@@ -192,7 +191,7 @@ class HFFamily(MeasuredFamily):
                          loss=loss, init_weights=lambda model: H.init_hf_weights(find_module(model, src.cls)),
                          uses_tokens=True, synthetic_batch=None, tokens_per_sample=seq_len,
                          num_params=p["num_params"], flops_per_token=self.flops_per_token(m, seq_len),
-                         vocab_size=p["vocab_size"], shared_inputs=shared_input_linears, **moe)
+                         vocab_size=p["vocab_size"], **moe)
 
     def base_dir(self, m):
         return m.path if m.pretrained else None

@@ -128,18 +128,6 @@ def tp_problem(model: "nn.Module") -> str:
     return ""
 
 
-def shared_input_linears(model: "nn.Module") -> List[List["nn.Module"]]:
-    """Per decoder layer, the colwise Linears of each module whose input the plan gathers (q/k/v,
-    gate/up): they read that one input, which fp8.recipe=fused_rowwise turns into one GEMM
-    (components/fp8_linear.py). Empty for an architecture without a plan this launcher applies."""
-    try:
-        lp = layer_plan(model)
-    except ValueError:
-        return []
-    groups = [[p for p in lp.colwise if p.startswith(g + ".")] for g in lp.gathered]
-    return [[layer.get_submodule(p) for p in paths] for layer in _layers(model)[1] for paths in groups if len(paths) > 1]
-
-
 def tp_dims(model: "nn.Module") -> Dict[str, int]:
     """The sizes tp must divide: attention and key/value heads, the MLP's hidden width."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
