@@ -130,13 +130,9 @@ def use_document_attention(model: "nn.Module") -> None:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) == ATTENTION:
         return
-    from transformers import AttentionInterface
+    from .hf.model import use_attention
 
-    AttentionInterface.register(ATTENTION, document_attention)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION)
-    else:
-        config._attn_implementation = ATTENTION
+    use_attention(model, ATTENTION, document_attention)
 
 
 def hf_document_logits(model: "nn.Module", input_ids: "torch.Tensor", doc_ids: "torch.Tensor",

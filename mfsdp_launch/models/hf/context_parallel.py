@@ -40,22 +40,18 @@ def _positions(cp):
 def apply_context_parallel(model: "nn.Module", cp_mesh) -> None:
     """Run a built HF causal LM's attention over `cp_mesh` (a 1-D DeviceMesh), in place."""
     import torch.distributed as dist
-    from transformers import AttentionInterface
 
     from ..llama.context_parallel import ContextParallel
+    from .model import use_attention
 
     group = cp_mesh.get_group()
     cp = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group))
-    AttentionInterface.register(ATTENTION, _attention)
     attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     if not attention:
         raise ValueError(f"{type(model).__name__} has no *Attention modules to run over cp")
     for module in attention:
         module.context_parallel = cp
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION)
-    else:
-        model.config._attn_implementation = ATTENTION
+    use_attention(model, ATTENTION, _attention)
     model.register_forward_pre_hook(_positions(cp), with_kwargs=True)
 
 

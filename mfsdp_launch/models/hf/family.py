@@ -166,6 +166,7 @@ class HFFamily(MeasuredFamily):
         from ..losses import hf_loss
         from ...components.precision import torch_dtype
         from ..family import resolve_unit_modules
+        from .causal_attention import use_causal_attention
 
         p, src, dtype = self.probe(m), self._source(m), torch_dtype(m.params_dtype)
         chunked = str(m.loss_kernel) == "chunked"
@@ -181,6 +182,7 @@ class HFFamily(MeasuredFamily):
 
         def build():
             model = H.build_hf_model(src, dtype)
+            use_causal_attention(model)  # no mask preparation, no sync per forward (causal_attention.py)
             if any(t.is_meta for t in model.parameters()):
                 H.support_module_init(model)
             if chunked:

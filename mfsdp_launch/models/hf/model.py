@@ -139,6 +139,19 @@ def build_hf_model(src: HFModelSource, dtype: Optional["torch.dtype"] = None) ->
     return src.cls._from_config(src.config, **kwargs)
 
 
+def use_attention(model: "nn.Module", name: str, function) -> None:
+    """Run a built HF model's attention through `function`, registered with transformers'
+    `AttentionInterface` as `name` (transformers builds no mask for a name it has no mask function
+    for: the function gets None)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
 def unit_module_classes(model: "nn.Module") -> tuple:
     """The classes named by the model's `_no_split_modules` that occur in it (its decoder layers)."""
     names = list(getattr(model, "_no_split_modules", None) or [])
