@@ -34,14 +34,6 @@ ATTENTION = "mfsdp_causal"
 CAUSAL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
-def causal_attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
-    """transformers' attention-function contract, through its own SDPA function: no mask was built,
-    so SDPA runs causal (for a query longer than one token)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout, **kwargs)
-
-
 def plainly_causal(config) -> bool:
     """Whether the architecture's SDPA mask is causal or nothing (see the module docstring)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -51,11 +43,13 @@ def plainly_causal(config) -> bool:
     return not types or all(t == "full_attention" for t in types)
 
 
-def use_causal_attention(model: "nn.Module") -> bool:
-    """Run a built SDPA model's attention through `causal_attention` where `plainly_causal`;
-    whether it does."""
+def use_causal_attention(model: "nn.Module") -> None:
+    """Run a built SDPA model's attention through transformers' own SDPA function under `ATTENTION`
+    where `plainly_causal`: without a mask, which transformers builds none for, SDPA runs causal
+    (for a query longer than one token)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or not plainly_causal(config):
-        return False
-    use_attention(model, ATTENTION, causal_attention)
-    return True
+        return
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    use_attention(model, ATTENTION, sdpa_attention_forward)
