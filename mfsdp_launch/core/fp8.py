@@ -28,13 +28,18 @@ TORCHAO_RECIPES = frozenset({FP8Recipe.torchao_tensorwise, FP8Recipe.torchao_row
 LINEAR_RECIPES = TORCHAO_RECIPES | {FP8Recipe.fused_rowwise}
 
 
+def _among(recipe, recipes) -> bool:
+    """Whether `recipe` (an FP8Recipe, or its name as a config gives it) is one of `recipes`."""
+    return str(recipe) in {r.value for r in recipes}
+
+
 def is_torchao(recipe) -> bool:
-    return str(recipe) in {r.value for r in TORCHAO_RECIPES}
+    return _among(recipe, TORCHAO_RECIPES)
 
 
 def on_linears(recipe) -> bool:
     """Whether `recipe` runs a model's plain nn.Linear layers in FP8 (no TE layers involved)."""
-    return str(recipe) in {r.value for r in LINEAR_RECIPES}
+    return _among(recipe, LINEAR_RECIPES)
 
 
 class FP8Format(Choice):
