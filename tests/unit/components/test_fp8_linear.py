@@ -4,6 +4,9 @@ interpreter against the same casts in plain torch, bit for bit; the FP8 linear
 casts (CPU torch._scaled_mm runs the real FP8 GEMM); the conversion of a gpt; the custom op's
 fake kernel (what torch.compile traces). The GPU runs it compiled: tests/gpu/test_every_tool_gpu.py."""
 
+import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -228,3 +231,35 @@ def test_cached_weight_casts_train_as_fresh_ones_and_are_refilled_every_step():
     assert out["buffers"] == sorted(f"{i}.fp8_weight_{n}" for i in (0, 2) for n in ("inv", "inv_t", "q", "qt"))
     assert out["state_dict"] == ["0.weight", "2.weight"]  # not checkpointed
     assert out["dtypes"] == ["torch.int32", "torch.uint8"]
+
+
+_PTX = textwrap.dedent("""
+    import json, re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mfsdp_launch.components import fp8_casts
+
+    kernel = fp8_casts._amax_kernel
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # (under its autotuner)
+        kernel = kernel.fn
+    signature = {"x_ptr": "*bf16", "row_amax_ptr": "*fp32", "col_amax_ptr": "*fp32", "M": "i32", "N": "i32",
+                 "stride_m": "i32", "BM": "constexpr", "BN": "constexpr", "GROUP": "constexpr"}
+    source = ASTSource(kernel, signature, constexprs={"BM": 64, "BN": 128, "GROUP": 4})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(json.dumps(re.findall(r"\\b(?:atom|red)\\.global[\\w.]*", ptx)))
+""")
+
+
+def test_the_amax_pass_keeps_no_order_for_its_atomic_maxima():
+    # Compiled for an H100 (sm_90) on the CPU. Triton's atomics default to acquire-release: every
+    # row block's maximum waited for its atomic before the next block's loads (the pass ran at half
+    # the cast pass's bandwidth on an H100, scripts/bench_fp8_casts.py). A maximum needs no order,
+    # and the kernel's end publishes them to the cast pass: relaxed reductions, nothing returned.
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", _PTX], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "ptxas" in proc.stderr:
+        pytest.skip("this Triton cannot compile for sm_90 here: " + proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    atomics = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert atomics and all(a.startswith("red.global") and ".relaxed." in a for a in atomics), atomics
