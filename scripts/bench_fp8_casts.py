@@ -1,5 +1,6 @@
-"""The rowwise FP8 casts (mfsdp_launch/components/fp8_casts.py) on one GPU, per tensor shape of the
-8B slice (model.preset=8b's dims, seq 8192): each shape's casts checked bit for bit
+"""The rowwise FP8 casts (mfsdp_launch/components/fp8_casts.py) on one GPU, for the kinds of tensor
+one micro-batch of the 8B slice casts (model.preset=8b's dims, seq 8192; q/k/v and gate/up apart,
+as in the HF Llama): each shape's casts checked bit for bit
 against plain torch, then the amax pass and the cast pass timed apart, in GB/s of the bytes each
 must move (amax reads 2 bytes an element; the cast reads 2 and writes 2).
 
@@ -21,7 +22,7 @@ SEQ = 8192  # the slice's tokens a micro-batch
 
 
 def slice_shapes(preset: str = "8b", tokens: int = SEQ) -> dict:
-    """name -> [M, N]: the tensors one micro-batch of the preset's slice casts (GPT_PRESETS' dims)."""
+    """name -> [M, N]: inputs x, weights w and output gradients dy of the preset's layers and head."""
     p = GPT_PRESETS[preset]
     dim, ffn, vocab = p["dim"], p["ffn_dim"], p["vocab_size"]
     kv = p["n_kv_heads"] * dim // p["n_heads"]
