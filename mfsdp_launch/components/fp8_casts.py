@@ -79,7 +79,7 @@ def _amax_kernel(x_ptr, row_amax_ptr, col_amax_ptr, M, N, stride_m, BM: tl.const
         # |x| and its maxima are exact in x's own dtype: widen only the reduced vectors
         x = tl.abs(tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :], mask=mask, other=0.0))
         # Relaxed: a maximum needs no order, and the kernel's end publishes it to the cast pass. Triton's
-        # default (acquire-release) made each block's loads wait for the previous block's atomic.
+        # default (acquire-release) returns a value and orders each block's loads after the atomic before.
         tl.atomic_max(row_amax_ptr + rows, tl.max(x, 1).to(tl.float32), mask=rows < M, sem="relaxed")
         col_max = tl.maximum(col_max, tl.max(x, 0).to(tl.float32))
     tl.atomic_max(col_amax_ptr + cols, col_max, mask=col_ok, sem="relaxed")
