@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from .errors import ConfigError
+from .errors import ConfigError, check_at_least
 
 # A JobSet's pod hostnames are <name>-<replicated job>-<job index>-<pod index>: at most 63
 # characters in all, so the name itself stays well below that.
@@ -48,9 +48,7 @@ def check(lc) -> None:
     if lc.memory_per_node is not None and not _QUANTITY.match(str(lc.memory_per_node)):
         raise ConfigError("launcher.memory_per_node", f"{lc.memory_per_node!r} is not a Kubernetes quantity",
                           "e.g. 64Gi, 1500Gi, or null")
-    for key in ("termination_grace_s", "backoff_limit"):
-        if getattr(lc, key) < 0:
-            raise ConfigError(f"launcher.{key}", f"must be >= 0, got {getattr(lc, key)}")
+    check_at_least(lc, "launcher", ("termination_grace_s", "backoff_limit"), 0)
 
 
 def _label(key: str, value: Optional[str], subdomain: bool = False) -> None:

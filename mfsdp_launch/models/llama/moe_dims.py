@@ -111,8 +111,7 @@ def check_moe(d: MoEDims, given: Dict[str, Any]) -> None:
     if not 1 <= d.top_k <= d.experts:
         raise ConfigError("model.moe.top_k", f"{d.top_k} with model.moe.experts={d.experts}",
                           f"1..{d.experts} (experts each token goes to)")
-    if d.shared_experts < 0:
-        raise ConfigError("model.moe.shared_experts", f"must be >= 0, got {d.shared_experts}")
+    check_at_least(d, "model.moe", ("shared_experts",), 0)
     check_at_least(d, "model.moe", ("ffn_dim", "every"), 1)
     if d.router not in ROUTERS:
         raise ConfigError("model.moe.router", f"unknown router {d.router!r}", list(ROUTERS))
