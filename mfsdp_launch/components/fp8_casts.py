@@ -111,19 +111,20 @@ def _cast_kernel(x_ptr, row_amax_ptr, col_amax_ptr, q_ptr, qt_ptr, row_inv_ptr, 
         tl.store(col_inv_ptr + cols, 1.0 / col_scale, mask=col_ok)
 
 
-def launch_casts(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_casts(x: torch.Tensor, out=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, N] (last dim contiguous) -> (q [M, N] scaled per row, row_inv [M], qt [N, M] = x's
     columns scaled per column, col_inv [N]): E4M3 data and the fp32 factors that undo the scales
-    (what torch._scaled_mm takes)."""
+    (what torch._scaled_mm takes), written into `out` (the same four, contiguous) when given."""
     if x.stride(1) != 1:  # the kernels walk rows of contiguous elements
         x = x.contiguous()
     M, N = x.shape
     row_amax = torch.zeros(M, dtype=torch.float32, device=x.device)
     col_amax = torch.zeros(N, dtype=torch.float32, device=x.device)
-    q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
-    qt = torch.empty((N, M), dtype=torch.float8_e4m3fn, device=x.device)
-    row_inv = torch.empty(M, dtype=torch.float32, device=x.device)
-    col_inv = torch.empty(N, dtype=torch.float32, device=x.device)
+    if out is None:
+        fp8, fp32 = torch.float8_e4m3fn, torch.float32
+        out = (torch.empty((M, N), dtype=fp8, device=x.device), torch.empty(M, dtype=fp32, device=x.device),
+               torch.empty((N, M), dtype=fp8, device=x.device), torch.empty(N, dtype=fp32, device=x.device))
+    q, row_inv, qt, col_inv = out
     # (the maxima are the same however often autotune reruns the pass: atomic maxima of the same values)
     _amax_kernel[lambda meta: (triton.cdiv(M, meta["BM"] * meta["GROUP"]), triton.cdiv(N, meta["BN"]))](
         x, row_amax, col_amax, M, N, x.stride(0))
@@ -149,6 +150,26 @@ def casts_op():
                 x.new_empty((N, M), dtype=fp8), x.new_empty(N, dtype=torch.float32))
 
     return fp8_rowwise_casts
+
+
+@functools.lru_cache(maxsize=None)
+def casts_into_op():
+    """The casts written into a layer's own buffers (fp8.cache_weight_casts), as a custom op that
+    mutates them: under torch.compile the kernels write the buffers themselves, so the step's first
+    micro-batch holds no second copy of its weights' casts. The buffers are uint8 / int32 (bits that
+    a module's `.to(dtype)` leaves alone), viewed here as E4M3 / fp32."""
+
+    @torch.library.custom_op("mfsdp_launch::fp8_rowwise_casts_into", mutates_args=("q", "row_inv", "qt", "col_inv"))
+    def fp8_rowwise_casts_into(x: torch.Tensor, q: torch.Tensor, row_inv: torch.Tensor, qt: torch.Tensor,
+                               col_inv: torch.Tensor) -> None:
+        fp8, fp32 = torch.float8_e4m3fn, torch.float32
+        launch_casts(x, out=(q.view(fp8), row_inv.view(fp32), qt.view(fp8), col_inv.view(fp32)))
+
+    @fp8_rowwise_casts_into.register_fake
+    def _(x, q, row_inv, qt, col_inv):
+        return None
+
+    return fp8_rowwise_casts_into
 
 
 def reference_casts(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,8 +16,8 @@ parameters, state-dict keys and `reset_parameters`.
 fp8.cache_weight_casts=true: a step's weights do not change between its micro-batches, so each
 layer keeps its weight's two casts in buffers of its own (uint8 and int32 bits, which a module's
 `.to(dtype)` leaves alone; not in the state dict), written by the step's first micro-batch and read
-by the others (`WeightCasts.fill`, set by the loop before each micro-batch). The first
-micro-batch uses the casts it made, so no tensor a backward reads is ever overwritten.
+by all of its micro-batches (`WeightCasts.fill`, set by the loop before each micro-batch). They are
+rewritten only at the next step's first micro-batch, after every backward that reads them ran.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from .fp8_casts import casts_op, launch_casts
+from .fp8_casts import casts_into_op, casts_op, launch_casts
 
 
 def _casts(t: torch.Tensor):
@@ -95,14 +95,17 @@ def _forward(self, x):
     if not hasattr(self, _CACHE[0]) or not torch.is_grad_enabled():  # (evaluation: the weights of now)
         return fp8_linear(x, self.weight, self.bias)
     bufs = [getattr(self, name) for name in _CACHE]
+    fp8, fp32 = torch.float8_e4m3fn, torch.float32
     if WeightCasts.fill:
-        casts = _casts(self.weight.detach())  # (the weight's gradient comes through fp8_linear's weight)
-        with torch.no_grad():
-            for buf, cast in zip(bufs, casts):
-                buf.copy_(cast.view(buf.dtype))
-    else:
-        fp8, fp32 = torch.float8_e4m3fn, torch.float32
-        casts = (bufs[0].view(fp8), bufs[1].view(fp32), bufs[2].view(fp8), bufs[3].view(fp32))
+        # Into the buffers themselves, which every micro-batch then reads: casts made apart and
+        # copied in would be a second copy of them, alive until this micro-batch's backward.
+        # (The weight's gradient comes through fp8_linear's `weight`.)
+        if torch.compiler.is_compiling():
+            torch.ops.mfsdp_launch.fp8_rowwise_casts_into(self.weight.detach(), *bufs)
+        else:
+            launch_casts(self.weight.detach(), out=(bufs[0].view(fp8), bufs[1].view(fp32), bufs[2].view(fp8),
+                                                    bufs[3].view(fp32)))
+    casts = (bufs[0].view(fp8), bufs[1].view(fp32), bufs[2].view(fp8), bufs[3].view(fp32))
     return fp8_linear(x, self.weight, self.bias, weight_casts=casts)
 
 
@@ -122,6 +125,8 @@ def convert(linears: Iterable[nn.Linear], cache_weight_casts: bool = False) -> N
     op, outside any torch.compile trace (traced, its registration would break the graph at every
     call)."""
     casts_op()
+    if cache_weight_casts:
+        casts_into_op()
     for m in linears:
         m.__class__ = _fp8_class(type(m))
         if cache_weight_casts:

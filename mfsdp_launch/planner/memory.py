@@ -19,8 +19,9 @@ A model of the engine's buffers, not a measurement, calibrated against the peaks
   optimizer state); main weights, gradients and Adam's moments are the adapters' alone.
 * fp8_weights: FP8 copies of the block weights, kept from forward to backward: TE's (FP8 recipes
   without fp8.params), and fused_rowwise's column casts of each weight (components/fp8_linear.py;
-  one H100, the 8b's 8 layers: 2.0 GiB over bf16's peak, the head's included), and with
-  fp8.cache_weight_casts both casts of every Linear weight, for the whole run.
+  one H100, the 8b's 8 layers: 2.0 GiB over bf16's peak, the head's included), or with
+  fp8.cache_weight_casts both casts of every Linear weight, for the whole run (backward reads
+  those: no other copy).
 * allocator: the caching allocator's slack over what is allocated (`ALLOCATOR_SLACK` of the
   transient buffers): the estimate aims at the reserved peak, which is what runs out. FSDP2 with
   DTensor TP reserves about one more gradient copy (`_fsdp2_tp_reserve`).
@@ -204,15 +205,19 @@ def _fp8_weight_bytes(cfg, fam, tp: int) -> float:
     if not hasattr(fam, "dims"):  # TE toys, measured families: all their weights (under activation
         # checkpointing a measured family keeps about one unit's: its largest)
         n = fam.param_count(cfg.model)
+        if cached:  # what backward reads are the cached buffers themselves (fp8_linear.py)
+            return cached * n
         checkpointed = fam.measured and str(cfg.model.activation_checkpointing) != "none"
-        return FP8_WEIGHT_BYTES * (fam.largest_unit_params(cfg.model) if checkpointed else n) + cached * n
+        return FP8_WEIGHT_BYTES * (fam.largest_unit_params(cfg.model) if checkpointed else n)
     from ..models.llama.dims import layer_params, live_blocks
 
     d = fam.dims(cfg.model)
-    blocks = live_blocks(d, str(cfg.model.activation_checkpointing), cfg.model.ac_every)
     linear = layer_params(d) - 2 * d.dim
     head = 0 if d.tie_embeddings else d.dim * d.vocab_size
-    return (FP8_WEIGHT_BYTES * blocks * linear + cached * (d.n_layers * linear + head)) / tp
+    if cached:  # what backward reads are the cached buffers themselves (fp8_linear.py)
+        return cached * (d.n_layers * linear + head) / tp
+    blocks = live_blocks(d, str(cfg.model.activation_checkpointing), cfg.model.ac_every)
+    return FP8_WEIGHT_BYTES * blocks * linear / tp
 
 
 def _tp_params(fam, m, n: int, unit: int, tp: int):

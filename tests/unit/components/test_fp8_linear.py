@@ -137,9 +137,9 @@ _COUNTING = textwrap.dedent("""
     calls = [0]
     real = fp8_casts.launch_casts
 
-    def counted(x):
+    def counted(x, out=None):
         calls[0] += 1
-        return real(x)
+        return real(x, out=out)
 
     fp8_linear.launch_casts = fp8_casts.launch_casts = counted
 """)
@@ -231,6 +231,41 @@ def test_cached_weight_casts_train_as_fresh_ones_and_are_refilled_every_step():
     assert out["buffers"] == sorted(f"{i}.fp8_weight_{n}" for i in (0, 2) for n in ("inv", "inv_t", "q", "qt"))
     assert out["state_dict"] == ["0.weight", "2.weight"]  # not checkpointed
     assert out["dtypes"] == ["torch.int32", "torch.uint8"]
+
+
+_CACHED_SAVED = textwrap.dedent("""
+    import json, torch, torch.nn as nn
+    from mfsdp_launch.components import fp8_linear
+    from mfsdp_launch.components.fp8_linear import WeightCasts
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 48, bias=False), nn.ReLU(), nn.Linear(48, 16, bias=False))
+    fp8_linear.convert([m[0], m[2]], cache_weight_casts=True)
+    buffers = {b.data_ptr() for name, b in m.named_buffers() if name.endswith(("_qt", "_inv_t"))}
+    out = {}
+    for mode, fwd in (("eager", m), ("inductor", torch.compile(m))):
+        for micro in range(2):
+            WeightCasts.before_micro_batch(micro)
+            saved = set()
+
+            def pack(t):
+                saved.add(t.data_ptr())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = fwd(torch.randn(16, 32, requires_grad=True))  # (so that both layers' dx reads W)
+            y.square().mean().backward()
+            out[f"{mode}_{micro}"] = buffers <= saved
+    print(json.dumps(out))
+""")
+
+
+def test_the_filling_micro_batch_saves_the_cached_buffers_not_a_copy():
+    """fp8.cache_weight_casts: the step's first micro-batch casts each weight into the layer's
+    buffers, and its backward reads those buffers (as the later micro-batches' do), eagerly and
+    under Inductor: no second copy of every weight's casts is held through that micro-batch."""
+    out = interpreted(_CACHED_SAVED)
+    assert out == {f"{mode}_{micro}": True for mode in ("eager", "inductor") for micro in (0, 1)}, out
 
 
 _PTX = textwrap.dedent("""
