@@ -106,19 +106,51 @@ def goal_table(runs: Rows) -> List[str]:
     return lines
 
 
+def _compiled(r: dict) -> bool:
+    return "+ compile" in r.get("engine", "") or "train.compile=true" in r.get("extra", [])
+
+
+def _profiled(r: dict) -> bool:
+    return r["name"].endswith("_prof") or "_prof_" in r["name"] or any(
+        x.startswith("train.profile") for x in r.get("extra", []))
+
+
+def _same_call(a: dict, b: dict, minutes: float = 12.0) -> bool:
+    """Measured on the same kind of GPU within `minutes`: one device call (bench_peers.py interleaves
+    a call's runs, and a call lasts at most 10 minutes)."""
+    from datetime import datetime
+
+    if a.get("device", "") != b.get("device", "") or not (a.get("measured_at") and b.get("measured_at")):
+        return False
+    gap = datetime.fromisoformat(a["measured_at"]) - datetime.fromisoformat(b["measured_at"])
+    return abs(gap.total_seconds()) <= 60 * minutes
+
+
+# Issue 27's goals against torchtitan on the same workload: compiled and eager
+PEER_GOALS = {True: 1.2, False: 1.05}
+
+
 def peer_notes(runs: Rows) -> List[str]:
-    """Our best launcher row of the peers group against each peer of the same call."""
-    ok = [r for r in _ok(runs) if r.get("group") == PEERS]
+    """Each peer row against our fastest row of the same workload (model size, seq, micro-batch,
+    GPUs, precision, compiled or not) measured in the same call; profiled runs of either side left out."""
+    ok = [r for r in _ok(runs) if r.get("group") == PEERS and not _profiled(r)]
     ours, peers = [r for r in ok if r.get("kind") == "launcher"], [r for r in ok if r.get("kind") == "peer"]
-    if not ours or not peers:
-        return []
-    best = _best(ours)
-    lines = [f"- peers (one call, interleaved, 1.4B Llama dims, seq 2048, mbs 4, 2 GPUs): our best "
-             f"{best['name']} {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"]
+    keys = ("preset", "seq", "mbs", "world", "precision")
+    lines = []
     for p in sorted(peers, key=lambda r: r["name"]):
-        lines.append(f"  - vs {p['engine']} ({p['name']}, {p['tokens_per_s_per_gpu']:,.0f}): "
-                     f"**{best['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.3f}x** (goal >= 1.15x torchtitan)")
-    return lines
+        mine = _best([r for r in ours if all(r.get(k) == p.get(k) for k in keys)
+                      and _compiled(r) == _compiled(p) and _same_call(r, p)])
+        goal = PEER_GOALS[_compiled(p)]
+        where = f"{p.get('preset')} seq {p.get('seq')} mbs {p.get('mbs')}, {p.get('world', 1)} GPU(s)"
+        if mine is None:
+            lines.append(f"  - {p['name']} ({p['engine']}, {where}): {p['tokens_per_s_per_gpu']:,.0f}; no row of ours "
+                         "from the same call")
+            continue
+        lines.append(f"  - {p['name']} ({p['engine']}, {where}): {p['tokens_per_s_per_gpu']:,.0f}; ours "
+                     f"{mine['name']} {mine['tokens_per_s_per_gpu']:,.0f}: "
+                     f"**{mine['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.3f}x** (goal >= {goal}x)")
+    return ["- peers: each against our fastest row of the same workload, measured within 12 minutes on the same "
+            "kind of GPU", *lines] if lines else []
 
 
 def small_notes(runs: Rows) -> List[str]:

@@ -94,10 +94,10 @@ def test_dry_prints_the_interleaved_commands():
 def test_rows_render_in_bench_results(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "OUT", tmp_path)
     tt = dict(bp.ENTRIES["tt_nocg"], group=bp.GROUP, kind="peer", fp8_params=False, world=2, ok=True,
-              tokens_per_s_per_gpu=38_522.0, peak_mem_gib=30.2)
+              tokens_per_s_per_gpu=38_522.0, peak_mem_gib=30.2, measured_at="2026-12-06T11:20:00")
     tt["mfu"] = bp.mfu_of(tt["tokens_per_s_per_gpu"], 989.0)
     ours = dict(bp.ENTRIES["mfsdp"], group=bp.GROUP, kind="launcher", fp8_params=False, world=2, ok=True,
-                tokens_per_s_per_gpu=41_828.0, mfu=0.38, peak_mem_gib=31.5)
+                tokens_per_s_per_gpu=41_828.0, mfu=0.38, peak_mem_gib=31.5, measured_at="2026-12-06T11:22:00")
     # what a device call leaves in $OUT, merged here into bench/results.json and rendered
     rows = tmp_path / "out" / bp.ROWS
     rows.parent.mkdir()

@@ -31,6 +31,31 @@ def test_after_is_the_best_comparable_row():
     assert len(table) == len(bench_report.GOALS) + 1  # + the header row
 
 
+def test_each_peer_meets_our_fastest_row_of_its_workload_and_call():
+    """results.md's peers notes: a torchtitan row is held against our fastest row of the same model
+    size, seq, micro-batch, GPUs, precision and compile mode from the same call; never against a row
+    of another workload, another call or a profiled run."""
+    w = dict(group="peers", preset="1.4b", seq=2048, mbs=4, world=1, precision="bf16", device="1x H100")
+    at = lambda minute: f"2026-12-06T11:{minute:02d}:00"  # noqa: E731
+    runs = {r["name"]: r for r in [
+        _row("tt_c", 40000, kind="peer", engine="torchtitan + compile", measured_at=at(20), **w),
+        _row("tt_e", 36000, kind="peer", engine="torchtitan", measured_at=at(20), **w),
+        _row("ours_c", 48000, extra=["train.compile=true"], measured_at=at(22), **w),
+        _row("ours_c_slower", 46000, extra=["train.compile=true"], measured_at=at(23), **w),
+        _row("ours_e", 39600, measured_at=at(24), **w),
+        _row("ours_c_prof", 90000, extra=["train.compile=true", "train.profile={start: 5, steps: 1}"],
+             measured_at=at(22), **w),
+        _row("moe_c", 99000, extra=["train.compile=true"], measured_at=at(21), **dict(w, preset="moe")),
+        _row("ours_c_later", 99000, extra=["train.compile=true"], measured_at=at(50), **w),
+    ]}
+    notes = {line.split(" (")[0].strip("- "): line for line in bench_report.peer_notes(runs)[1:]}
+    assert "ours ours_c 48,000: **1.200x** (goal >= 1.2x)" in notes["tt_c"], notes
+    assert "ours ours_e 39,600: **1.100x** (goal >= 1.05x)" in notes["tt_e"], notes
+    runs["ours_c"]["device"] = runs["ours_c_slower"]["device"] = "1x H200"  # another machine's rows
+    assert "no row of ours" in {line.split(" (")[0].strip("- "): line
+                                for line in bench_report.peer_notes(runs)[1:]}["tt_c"]
+
+
 def test_matrix_entries_are_unique_and_every_override_is_key_value():
     """bench/matrix.yaml: each group/name once (results.json keys its rows by name), every override
     an entry adds (each key once; it may replace one of the run's defaults, which come first) and
