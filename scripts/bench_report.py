@@ -6,6 +6,7 @@ scripts/bench.py's `render`, so every script that re-renders results.md writes t
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Callable, Dict, List, Optional, Tuple
 
 Rows = Dict[str, dict]
@@ -118,8 +119,6 @@ def _profiled(r: dict) -> bool:
 def _same_call(a: dict, b: dict, minutes: float = 12.0) -> bool:
     """Measured on the same kind of GPU within `minutes`: one device call (bench_peers.py interleaves
     a call's runs, and a call lasts at most 10 minutes)."""
-    from datetime import datetime
-
     if a.get("device", "") != b.get("device", "") or not (a.get("measured_at") and b.get("measured_at")):
         return False
     gap = datetime.fromisoformat(a["measured_at"]) - datetime.fromisoformat(b["measured_at"])
