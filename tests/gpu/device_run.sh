@@ -15,8 +15,9 @@
 # BENCH overrides a phase's bench.py arguments (e.g. BENCH="--group gpt_pair").
 # Logs go to $OUT: <phase>.log plus one tarball of the job logs and bench results.
 #
-# One call, after `bash .devkit/setup.sh base` (carry .devkit and .gpuextra, which tests/gpu/prepare_extra.sh
-# stages; TE's parts need calls of their own, /work/shared/device/README.md):
+# One call, after `bash .devlite/setup.sh base` (carry .devlite and .gpuextra, which tests/gpu/prepare_extra.sh
+# stages: with .devkit whole they pass the 64 MiB carry limit; TE's parts need calls of their own and
+# the whole .devkit, /work/shared/device/README.md):
 # `bash tests/gpu/device_run.sh one_gpu 420` runs the whole one-GPU tier (session 15: 104 passed,
 # 47 skipped for want of TE, in 5:52), and `bench` a scripts/bench.py selection. The machine is
 # given back after ~30 s idle: have the next call ready. Never `pkill -f` a word of the call's own

@@ -6,9 +6,14 @@
 #   bash tests/gpu/prepare_extra.sh
 # then carry ".gpuextra" and, after `bash .devkit/setup.sh base`:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpuextra/*.whl
+# The tracked tree, .devkit and .gpuextra together pass a call's 64 MiB carry limit (session 35), so
+# this also stages .devlite/: .devkit without what only `setup.sh te` reads (the TE wheels and
+# sources, and the cuDNN frontend that TE needs). A call without TE carries ".devlite" and
+# ".gpuextra" and runs `bash .devlite/setup.sh base`; before TE, a call carrying .devkit runs
+# `bash .devkit/setup.sh base` again (the kit it copies to /tmp/devkit is what `setup.sh te` reads).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qxF "/.gpuextra/" .git/info/exclude 2>/dev/null || echo "/.gpuextra/" >> .git/info/exclude
+for d in /.gpuextra/ /.devlite/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 mkdir -p .gpuextra
 PLAT=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
@@ -45,3 +50,10 @@ EOF
 python3 -m pip download -q "${PLAT[@]}" -d .gpuextra -r .gpuextra/requirements.txt
 ls .gpuextra/*.whl | wc -l | xargs echo "wheels:"
 du -sh .gpuextra
+if [ -d .devkit ]; then
+  rm -rf .devlite && mkdir .devlite
+  for f in .devkit/*; do
+    case "$(basename "$f")" in transformer_engine*|nvidia_cudnn_frontend*) ;; *) ln -f "$f" .devlite/ ;; esac
+  done
+  du -sh .devlite
+fi
