@@ -152,18 +152,23 @@ def casts_op():
     return fp8_rowwise_casts
 
 
+def cast_views(q: torch.Tensor, row_inv: torch.Tensor, qt: torch.Tensor, col_inv: torch.Tensor):
+    """A layer's cached-cast buffers (uint8 / int32: bits that a module's `.to(dtype)` leaves
+    alone) as the casts they hold: E4M3 data and fp32 factors, in `launch_casts`' order."""
+    fp8, fp32 = torch.float8_e4m3fn, torch.float32
+    return q.view(fp8), row_inv.view(fp32), qt.view(fp8), col_inv.view(fp32)
+
+
 @functools.lru_cache(maxsize=None)
 def casts_into_op():
     """The casts written into a layer's own buffers (fp8.cache_weight_casts), as a custom op that
     mutates them: under torch.compile the kernels write the buffers themselves, so the step's first
-    micro-batch holds no second copy of its weights' casts. The buffers are uint8 / int32 (bits that
-    a module's `.to(dtype)` leaves alone), viewed here as E4M3 / fp32."""
+    micro-batch holds no second copy of its weights' casts (the buffers: `cast_views`)."""
 
     @torch.library.custom_op("mfsdp_launch::fp8_rowwise_casts_into", mutates_args=("q", "row_inv", "qt", "col_inv"))
     def fp8_rowwise_casts_into(x: torch.Tensor, q: torch.Tensor, row_inv: torch.Tensor, qt: torch.Tensor,
                                col_inv: torch.Tensor) -> None:
-        fp8, fp32 = torch.float8_e4m3fn, torch.float32
-        launch_casts(x, out=(q.view(fp8), row_inv.view(fp32), qt.view(fp8), col_inv.view(fp32)))
+        launch_casts(x, out=cast_views(q, row_inv, qt, col_inv))
 
     @fp8_rowwise_casts_into.register_fake
     def _(x, q, row_inv, qt, col_inv):

@@ -27,7 +27,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from .fp8_casts import casts_into_op, casts_op, launch_casts
+from .fp8_casts import cast_views, casts_into_op, casts_op, launch_casts
 
 
 def _casts(t: torch.Tensor):
@@ -95,7 +95,7 @@ def _forward(self, x):
     if not hasattr(self, _CACHE[0]) or not torch.is_grad_enabled():  # (evaluation: the weights of now)
         return fp8_linear(x, self.weight, self.bias)
     bufs = [getattr(self, name) for name in _CACHE]
-    fp8, fp32 = torch.float8_e4m3fn, torch.float32
+    casts = cast_views(*bufs)
     if WeightCasts.fill:
         # Into the buffers themselves, which every micro-batch then reads: casts made apart and
         # copied in would be a second copy of them, alive until this micro-batch's backward.
@@ -103,9 +103,7 @@ def _forward(self, x):
         if torch.compiler.is_compiling():
             torch.ops.mfsdp_launch.fp8_rowwise_casts_into(self.weight.detach(), *bufs)
         else:
-            launch_casts(self.weight.detach(), out=(bufs[0].view(fp8), bufs[1].view(fp32), bufs[2].view(fp8),
-                                                    bufs[3].view(fp32)))
-    casts = (bufs[0].view(fp8), bufs[1].view(fp32), bufs[2].view(fp8), bufs[3].view(fp32))
+            launch_casts(self.weight.detach(), out=casts)
     return fp8_linear(x, self.weight, self.bias, weight_casts=casts)
 
 
