@@ -4,7 +4,7 @@ lives in components/schedule.py."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -87,18 +87,23 @@ def fused_adamw_problem(device_type: str) -> str:
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
-    """Whether `arm_device_skip` can skip this optimizer's next step: torch's fused Adam and AdamW
-    read GradScaler's `found_inf` flag in their kernel and then leave the parameters, moments and
-    step count as they were, so the loop need not wait for the host's verdict before stepping."""
+    """Whether `arm_device_step` can skip and clip this optimizer's next step: torch's fused Adam
+    and AdamW read GradScaler's two device values in their kernel: `found_inf` (then they leave the
+    parameters, moments and step count as they were, so the loop need not wait for the host's
+    verdict before stepping) and `grad_scale` (they divide each gradient by it as they read it, so
+    clipping costs no pass of its own over the gradients)."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not optimizer.defaults.get("fused"):
         return False
     return all(p.device.type == device.type for g in optimizer.param_groups for p in g["params"])
 
 
-def arm_device_skip(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
-    """The next `step()` applies nothing where `bad` (a 0-d float32 tensor on the parameters'
-    device) is 1.0 (`skips_on_device` optimizers only)."""
+def arm_device_step(optimizer: torch.optim.Optimizer, bad: Optional[torch.Tensor],
+                    clip_divisor: Optional[torch.Tensor]) -> None:
+    """The next `step()` (`skips_on_device` optimizers only) applies nothing where `bad` (a 0-d
+    float32 tensor on the parameters' device) is 1.0, and divides the gradients by `clip_divisor`
+    (the same kind of tensor; Engine.check_step(clip_in_step=True)). None: neither."""
     optimizer.found_inf = bad
+    optimizer.grad_scale = clip_divisor
 
 
 # ---------------------------------------------------------------------------------------------

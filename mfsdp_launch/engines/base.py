@@ -23,6 +23,9 @@ class StepCheck:
     loss: float  # the step's loss, the mean over ranks
     finite: bool  # loss and gradient norm finite on every rank
     bad_ranks: int = 0  # ranks whose own loss was not finite
+    # check_step(clip_in_step=True): what the optimizer's step divides the gradients by (a 0-d
+    # device tensor, >= 1), or None when there is no clipping
+    clip_divisor: Optional[torch.Tensor] = None
 
 
 def _read_check(values: List[float]) -> StepCheck:
@@ -43,6 +46,7 @@ class PendingCheck:
         norm = values[0].sqrt()
         self.bad = (~((values[1] == 0) & torch.isfinite(norm) & torch.isfinite(values[2]))).to(torch.float32)
         self.norm = norm
+        self.clip_divisor: Optional[torch.Tensor] = None  # as StepCheck's
         self._event = None
         if values.is_cuda:
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -62,6 +66,7 @@ class PendingCheck:
 
 
 Groups = Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]]
+CLIP_EPS = 1e-6  # added to the norm a clip divides by
 
 
 def _by_dtype_and_device(tensors: List[torch.Tensor]) -> Groups:
@@ -89,10 +94,18 @@ def clip_to_norm(grads: List[torch.Tensor], total: torch.Tensor, max_norm: Optio
     (a device tensor: no host sync). max_norm None: nothing."""
     if max_norm is None or not grads:
         return
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
     for (dtype, device), gs in _by_dtype_and_device(grads).items():
         # (on the host under train.cpu_offload, while the norm was summed on the device)
         torch._foreach_mul_(gs, scale.to(device=device, dtype=dtype))
+
+
+def clip_divisor(total: torch.Tensor, max_norm: Optional[float]) -> Optional[torch.Tensor]:
+    """What dividing the gradients by clips them as clip_to_norm scales them: max(1, total /
+    max_norm), an fp32 0-d tensor where `total` is; None without clipping."""
+    if max_norm is None:
+        return None
+    return torch.clamp((total.float() + CLIP_EPS) / max_norm, min=1.0)
 
 
 def _world_size() -> int:
@@ -138,7 +151,7 @@ class Engine(ABC):
         return total
 
     def check_step(self, model: torch.nn.Module, max_norm: Optional[float], loss: torch.Tensor,
-                   defer: bool = False):
+                   defer: bool = False, clip_in_step: bool = False):
         """The step's gradient norm and loss, checked on every rank with the one reduction the
         norm needs anyway: [weighted square sum, 1 if this rank's loss is not finite, loss / world]
         summed over all ranks. `loss`: this rank's loss of the step (mean over its microbatches).
@@ -147,18 +160,21 @@ class Engine(ABC):
         defer=False: the host reads those three numbers (the step's one device sync) and gets a
         StepCheck; the gradients are clipped only when the step is finite. defer=True: nothing
         waits; a PendingCheck, the gradients clipped whatever the verdict (a bad step's gradients
-        are discarded unread: its update is skipped on the device)."""
+        are discarded unread: its update is skipped on the device).
+
+        clip_in_step=True: the gradients are left as they are and the check's `clip_divisor` says
+        what the optimizer's step must divide them by (components/optim.arm_device_step): one
+        pass over the gradients fewer."""
         sq, grads = self.local_grad_square(model)
         loss = loss.detach().reshape(()).to(sq.dtype)
         world = _world_size()
         buf = self._all_reduce(torch.stack([sq, (~torch.isfinite(loss)).to(sq.dtype), loss / world]))
-        if defer:
-            pending = PendingCheck(buf)
-            self.scale_grads(grads, pending.norm, max_norm)
-            return pending
-        check = _read_check(buf.tolist())
-        if check.finite:
-            self.scale_grads(grads, buf[0].sqrt(), max_norm)
+        check = PendingCheck(buf) if defer else _read_check(buf.tolist())
+        norm = check.norm if defer else buf[0].sqrt()
+        if clip_in_step:
+            check.clip_divisor = clip_divisor(norm, max_norm)
+        elif defer or check.finite:
+            self.scale_grads(grads, norm, max_norm)
         return check
 
     def local_grad_square(self, model: torch.nn.Module) -> Tuple[torch.Tensor, List[torch.Tensor]]:

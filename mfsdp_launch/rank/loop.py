@@ -16,7 +16,7 @@ from .oom import note_step
 from .progress import RankProgress
 from .step_guard import OK, ROLLBACK, Diverged, StepGuard
 from .token_weights import distinct_targets, step_weights, target_count, weighted_mean
-from ..components.optim import arm_device_skip, skips_on_device
+from ..components.optim import arm_device_step, skips_on_device
 from ..components.metrics import (MetricsWriter, StepTimer, alloc_retries, host_values, peak_memory_gib,
                                   peak_reserved_gib)
 from ..core.mfu import mfu
@@ -111,6 +111,9 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
     guard = StepGuard(train_cfg, ctx.rank)
     guard.start(state, ctx.scheduler, ctx.optimizer)
     defer = defers_verdict(ctx, train_cfg)
+    # the optimizer's kernel divides the gradients by the clip's divisor as it reads them, in
+    # every mode alike (a deferred run and one with host verdicts end on the same weights)
+    clip_in_step = skips_on_device(ctx.optimizer, ctx.device)
     pending = None  # deferred: (step, PendingCheck) of the update launched before its verdict was read
     window = _Window()
     grad_norm = None
@@ -174,12 +177,14 @@ def train(model: torch.nn.Module, train_cfg, state: TrainState, ctx: LoopContext
                 step_loss += loss.detach().float() / ga if weights is None else loss.detach().float() * weights[micro]
             # Before the optimizer step, on every rank alike: a non-finite loss or gradient norm
             # (or a spike) is skipped, and too many in a row roll back (rank/step_guard.py).
-            check = ctx.engine.check_step(model, train_cfg.grad_clip, step_loss, defer=defer)
+            check = ctx.engine.check_step(model, train_cfg.grad_clip, step_loss, defer=defer,
+                                          clip_in_step=clip_in_step)
+            if clip_in_step:
+                arm_device_step(ctx.optimizer, check.bad if defer else None, check.clip_divisor)
             if pending is not None and settle_pending():  # the previous step, now that this one's work is queued
                 continue
             verdict = OK
             if defer:
-                arm_device_skip(ctx.optimizer, check.bad)
                 ctx.optimizer.step()
                 pending = (state.step + 1, check)
             else:

@@ -70,6 +70,40 @@ def test_optim_impl_picks_the_adamw_kernel(impl, flag):
     assert build_optimizer(torch.nn.Linear(4, 4), OptimConfig()).defaults["fused"] is None  # torch's own choice
 
 
+def test_a_step_armed_with_the_clip_divisor_moves_the_weights_as_clipped_gradients_do():
+    """torch's fused AdamW divides each gradient by `grad_scale` as its kernel reads it: the loop's
+    clip in the step (Engine.check_step(clip_in_step=True) + arm_device_step) lands where
+    scaling the gradients first (clip_to_norm) does, to float rounding, over steps whose clips
+    differ (Adam's update is blind to one common scale); `found_inf` skips a step."""
+    import torch
+
+    from mfsdp_launch.components.optim import arm_device_step, skips_on_device
+    from mfsdp_launch.engines.base import clip_divisor, clip_to_norm
+
+    torch.manual_seed(0)
+    start = [torch.randn(33, 7), torch.randn(5)]
+    runs = {name: [torch.nn.Parameter(t.clone()) for t in start] for name in ("scaled", "in_step", "unclipped")}
+    opts = {name: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True) for name, ps in runs.items()}
+    assert all(skips_on_device(o, torch.device("cpu")) for o in opts.values())
+    for step, size in enumerate((1.0, 30.0, 3.0)):
+        grads = [size * torch.randn_like(t) for t in start]
+        total = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        for name, params in runs.items():
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        clip_to_norm([p.grad for p in runs["scaled"]], total, 1.0)
+        arm_device_step(opts["in_step"], torch.zeros(()), clip_divisor(total, 1.0))
+        for o in opts.values():
+            o.step()
+    for p, q in zip(runs["scaled"], runs["in_step"]):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-6), (p - q).abs().max()
+    assert not all(torch.allclose(p, q, atol=1e-4) for p, q in zip(runs["scaled"], runs["unclipped"]))
+    before = [p.detach().clone() for p in runs["in_step"]]
+    arm_device_step(opts["in_step"], torch.ones(()), clip_divisor(total, 1.0))  # a bad step
+    opts["in_step"].step()
+    assert all(torch.equal(p, b) for p, b in zip(runs["in_step"], before))
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_te_fusedadam_reads_the_gradients_where_the_engine_puts_them(monkeypatch, decoupled):
     """engine.use_decoupled_grad=true installs gradients in param.decoupled_grad; TE's FusedAdam reads

@@ -1,6 +1,6 @@
 """Engine.check_step on 2 gloo ranks with real FSDP2: one all-reduce gives every rank the same
 global gradient norm (also under no_shard, where the norm has no group of its own and the
-replicas are weighted) and the same verdict when only one rank's loss is not finite, even with
+replicas are weighted), the same clip (or the divisor the optimizer's step clips by) and the same verdict when only one rank's loss is not finite, even with
 finite gradients; params_finite sees a non-finite weight on any rank. And set_grad_sync: ZeRO-2
 holds the gathered weights across a step's micro-batches."""
 
@@ -54,6 +54,15 @@ def _check(rank: int, world: int, zero: str) -> None:
     # Clipping (a finite step) scales every shard to the same global norm.
     engine.check_step(model, 0.5 * want, loss.detach())
     assert abs(engine.check_step(model, None, loss.detach()).grad_norm - 0.5 * want) < 1e-4 * want
+    # Clipping in the optimizer's step: the gradients stay as they are, the check says what to
+    # divide them by (host and deferred checks alike); none without a clip, never below 1.
+    grads = [local_tensor(p.grad).clone() for p in model.parameters()]
+    for defer in (False, True):
+        folded = engine.check_step(model, 0.25 * want, loss.detach(), defer=defer, clip_in_step=True)
+        assert abs(folded.clip_divisor.item() - 2.0) < 1e-4, folded.clip_divisor
+        assert engine.check_step(model, 4 * want, loss.detach(), defer=defer, clip_in_step=True).clip_divisor == 1.0
+        assert engine.check_step(model, None, loss.detach(), defer=defer, clip_in_step=True).clip_divisor is None
+    assert all(torch.equal(g, local_tensor(p.grad)) for g, p in zip(grads, model.parameters()))
 
     assert engine.params_finite(model)
     if rank == 1:
