@@ -85,6 +85,17 @@ ENTRIES: Dict[str, dict] = {
     # mfsdp_compile in the same call, so ZeRO-3 stays the default.
     "mfsdp_compile_z0": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_z0", kind="launcher", engine="megatron_fsdp",
                              extra=["train.compile=true"], zero=0, init_on_meta=False, **dict(LLAMA, model="gpt")),
+    # mfsdp_compile with optim.impl=triton (components/fused_adamw.py) reading the bf16 main gradients
+    # where Megatron-FSDP reduced them: at one micro-batch on one GPU they hold what autograd produced
+    # (torchtitan's fp32 reduction over one rank only widens the same bf16 values), and each step moves
+    # ~10 bytes a parameter less through the gradient buffer, its fill, the clip's norm and the update.
+    "mfsdp_compile_triton": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_triton", kind="launcher",
+                                 engine="megatron_fsdp",
+                                 grads="bf16", extra=["train.compile=true", "optim.impl=triton",
+                                                      "engine.use_decoupled_grad=true"], **dict(LLAMA, model="gpt")),
+    "mfsdp_triton": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_triton", kind="launcher", engine="megatron_fsdp",
+                         grads="bf16", extra=["optim.impl=triton", "engine.use_decoupled_grad=true"],
+                         **dict(LLAMA, model="gpt")),
     # Our best settings against torchtitan's best (compile): twice the micro-batch fits easily (50 GiB).
     "mfsdp_compile_mbs8": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs8_compile", kind="launcher",
                                engine="megatron_fsdp", extra=["train.compile=true"], **dict(LLAMA, model="gpt", mbs=8)),

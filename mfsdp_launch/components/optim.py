@@ -49,7 +49,7 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, *, fused_ok: bool = False
                     decoupled_grad: bool = False) -> torch.optim.Optimizer:
     """`fused_ok`: optim.impl=torch may pick torch's fused AdamW (the worker passes: on CUDA).
     `decoupled_grad`: the engine puts gradients in `param.decoupled_grad` (engine.use_decoupled_grad;
-    validation allows it with TE's FusedAdam only), so FusedAdam reads them there."""
+    validation allows it with TE's FusedAdam and optim.impl=triton only), so they read them there."""
     kwargs = dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
     if OptimName(getattr(optim_cfg, "name", OptimName.adamw)) is OptimName.muon:
         from .muon import Muon, muon_groups
@@ -68,6 +68,10 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, *, fused_ok: bool = False
         from transformer_engine.pytorch.optimizers import FusedAdam
 
         return FusedAdam(groups, adam_w_mode=True, use_decoupled_grad=decoupled_grad, **kwargs)
+    if impl is OptimImpl.triton:
+        from .fused_adamw import FusedAdamW
+
+        return FusedAdamW(groups, decoupled_grad=decoupled_grad, **kwargs)
     if impl is OptimImpl.fused:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     if impl is OptimImpl.foreach:
@@ -92,7 +96,8 @@ def skips_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> b
     parameters, moments and step count as they were, so the loop need not wait for the host's
     verdict before stepping) and `grad_scale` (they divide each gradient by it as they read it, so
     clipping costs no pass of its own over the gradients)."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not optimizer.defaults.get("fused"):
+    ours = getattr(type(optimizer), "reads_scaler_values", False)  # optim.impl=triton (fused_adamw.py)
+    if not ours and (type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not optimizer.defaults.get("fused")):
         return False
     return all(p.device.type == device.type for g in optimizer.param_groups for p in g["params"])
 

@@ -64,6 +64,9 @@ class OptimImpl(Choice):
     fused = "fused"  # torch.optim.AdamW(fused=True)
     foreach = "foreach"  # torch.optim.AdamW(foreach=True)
     te_fused = "te_fused"
+    # the launcher's own AdamW kernel (Triton, CUDA; components/fused_adamw.py): gradients read in
+    # their own dtype (bf16 main gradients under engine.use_decoupled_grad), never written back
+    triton = "triton"
 
 
 class Schedule(Choice):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import warnings
+from typing import Tuple
 
 from ..engines import engine_caps
 from ..core.errors import ConfigError
@@ -50,7 +51,9 @@ def check_installs(cfg, probe: bool) -> None:
             break
     if is_torchao(cfg.fp8.recipe):
         wanted.append(("fp8.recipe", f"fp8.recipe={cfg.fp8.recipe}", "torchao.float8", "pip install 'mfsdp-launch[torchao]'"))
-    elif cfg.fp8.recipe == FP8Recipe.fused_rowwise:
+    if cfg.optim.impl == OptimImpl.triton:
+        wanted.append(("optim.impl", "optim.impl=triton", "triton", "pip install triton"))
+    if cfg.fp8.recipe == FP8Recipe.fused_rowwise:
         wanted.append(("fp8.recipe", "fp8.recipe=fused_rowwise", "triton", "pip install triton"))
         if family(cfg.model.name).expert_params(cfg.model):  # the experts' FP8 grouped GEMM is torchao's
             wanted.append(("fp8.recipe", "fp8.recipe=fused_rowwise with a mixture of experts",
@@ -70,17 +73,19 @@ def check_installs(cfg, probe: bool) -> None:
                               "neither imports; pip install megatron-core", "false")
 
 
-def needs_cuda(cfg) -> str:
-    """Why this config needs CUDA GPUs, or '' if it can run on CPU."""
+def needs_cuda(cfg) -> Tuple[str, str]:
+    """(the key, why this config needs CUDA GPUs), or ("", "") if it can run on CPU."""
     if engine_caps(cfg.engine.name).needs_cuda:
-        return f"engine={cfg.engine.name} runs on CUDA + NCCL only"
+        return "engine", f"engine={cfg.engine.name} runs on CUDA + NCCL only"
     if family(cfg.model.name).has_te_layers:
-        return f"model={cfg.model.name} (Transformer Engine) needs CUDA"
+        return "model", f"model={cfg.model.name} (Transformer Engine) needs CUDA"
     if uses_fused_loss(cfg):
-        return "model.loss_kernel=te_fused (a Triton kernel) needs CUDA"
+        return "model.loss_kernel", "model.loss_kernel=te_fused (a Triton kernel) needs CUDA"
+    if cfg.optim.impl == OptimImpl.triton:
+        return "optim.impl", "optim.impl=triton (a Triton kernel) needs CUDA"
     if cfg.engine.backend == Backend.nccl:
-        return "engine.backend=nccl needs CUDA"
-    return ""
+        return "engine.backend", "engine.backend=nccl needs CUDA"
+    return "", ""
 
 
 def uses_fused_loss(cfg) -> bool:
@@ -110,13 +115,16 @@ def refuse_gpu_only(cfg, where: str) -> None:
     if on_linears(cfg.fp8.recipe):
         raise ConfigError("fp8.recipe", f"{cfg.fp8.recipe}: FP8 training runs FP8 matmuls on CUDA GPUs of "
                           f"compute capability 8.9+; {where}", "none")
+    if cfg.optim.impl == OptimImpl.triton:
+        raise ConfigError("optim.impl", f"triton steps with a Triton kernel on CUDA tensors; {where}",
+                          "torch|fused|foreach")
 
 
 def check_gpus(cfg) -> None:
-    why = needs_cuda(cfg)
+    key, why = needs_cuda(cfg)
     gpus = local_gpu_count()
     if why and gpus == 0:
-        raise ConfigError("engine" if "engine" in why else "model", f"no CUDA GPU on this machine: {why}",
+        raise ConfigError(key, f"no CUDA GPU on this machine: {why}",
                           "engine=fsdp2 with a non-TE model for the CPU path, or launcher.dry_run=true")
     if gpus and (why or cfg.engine.backend != Backend.gloo) and cfg.launcher.nproc_per_node > gpus:
         raise ConfigError("launcher.nproc_per_node", f"{cfg.launcher.nproc_per_node} processes but "

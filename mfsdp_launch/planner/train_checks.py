@@ -53,10 +53,13 @@ def check_train(cfg, caps: EngineCaps) -> List[str]:
         raise ConfigError("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     if o.impl == OptimImpl.te_fused and not caps.te_fused_optim:
         raise ConfigError("optim.impl", f"te_fused (TE FusedAdam) is not wired for engine={caps.name}", "torch")
-    if cfg.engine.get("use_decoupled_grad", False) and o.impl != OptimImpl.te_fused:
+    if cfg.engine.get("use_decoupled_grad", False) and o.impl not in (OptimImpl.te_fused, OptimImpl.triton):
         raise ConfigError("engine.use_decoupled_grad", "true puts the reduced gradients in param.decoupled_grad, "
-                          f"which only TE's FusedAdam reads: optim.impl={o.impl} would find no gradients and "
-                          "never update a weight", "false, or optim.impl=te_fused")
+                          f"which only TE's FusedAdam and optim.impl=triton read: optim.impl={o.impl} would find "
+                          "no gradients and never update a weight", "false, or optim.impl=te_fused|triton")
+    if t.cpu_offload and o.impl == OptimImpl.triton:
+        raise ConfigError("optim.impl", "triton steps on CUDA tensors, and train.cpu_offload keeps the sharded "
+                          "state in host memory", "torch|foreach")
     if t.cuda_graph == CudaGraphMode.full_iteration:
         _check_cuda_graph(cfg, caps)
     warnings = []

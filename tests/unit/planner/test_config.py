@@ -332,7 +332,7 @@ def test_fused_loss_kernel_belongs_to_the_gpt_families_and_needs_cuda(monkeypatc
     from mfsdp_launch.planner import machine
 
     cfg, _ = checked("model=gpt", "model.loss_kernel=te_fused")
-    assert "Triton" in machine.needs_cuda(cfg)
+    assert machine.needs_cuda(cfg)[0] == "model.loss_kernel" and "Triton" in machine.needs_cuda(cfg)[1]
     monkeypatch.setattr(machine, "import_problem", lambda module, probe: "not installed" if "transformer" in module else "")
     with pytest.raises(ConfigError) as exc:
         machine.check_installs(cfg, probe=False)
