@@ -94,6 +94,13 @@ def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
                     t.copy_(w)
 
 
+def torch_adamw_defaults(*, lr: float, betas, eps: float, weight_decay: float) -> dict:
+    """torch.optim.AdamW's param-group keys (amsgrad, foreach, ...; unused by our own kernels) with
+    these values: a checkpoint of torch's AdamW and of ours then loads into the other."""
+    return {**torch.optim.AdamW([torch.zeros(1)]).defaults, "lr": lr, "betas": tuple(betas), "eps": eps,
+            "weight_decay": weight_decay}
+
+
 def step_group(state: dict, group: dict, state_dtype: Optional[torch.dtype] = None) -> None:
     """One param group's AdamW step (an optimizer's `state` and param group): the states are made
     at a parameter's first step, the moments in `state_dtype` (None: the parameter's)."""
@@ -118,11 +125,8 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, groups, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  state_dtype: torch.dtype = torch.bfloat16):
-        # torch.optim.AdamW's group keys too (amsgrad, foreach, ...; unused here): a checkpoint of
-        # either optimizer then loads into the other, so optim.state_dtype can change at a resume.
-        defaults = {**torch.optim.AdamW([torch.zeros(1)]).defaults, "lr": lr, "betas": tuple(betas), "eps": eps,
-                    "weight_decay": weight_decay}
-        super().__init__(groups, defaults)
+        # (optim.state_dtype can change at a resume)
+        super().__init__(groups, torch_adamw_defaults(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
 
     @torch.no_grad()

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .adamw import local, torch_adamw_defaults
+
 BLOCK = 1024 if os.environ.get("TRITON_INTERPRET") != "1" else 64
 
 
@@ -56,11 +58,6 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, sc
     tl.store(exp_avg_sq_ptr + offs, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the engines' parameters, gradients and states); else `t`."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 class FusedAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update in one Triton launch a parameter. `decoupled_grad`: the
     gradients are in `param.decoupled_grad` (engine.use_decoupled_grad), any float dtype."""
@@ -69,10 +66,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def __init__(self, groups, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  decoupled_grad: bool = False):
-        # torch.optim.AdamW's group keys, so a checkpoint of either optimizer loads into the other.
-        defaults = {**torch.optim.AdamW([torch.zeros(1)]).defaults, "lr": lr, "betas": tuple(betas), "eps": eps,
-                    "weight_decay": weight_decay}
-        super().__init__(groups, defaults)
+        super().__init__(groups, torch_adamw_defaults(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled_grad = decoupled_grad
         self.grad_scale: Optional[torch.Tensor] = None  # set by components/optim.arm_device_step
         self.found_inf: Optional[torch.Tensor] = None
@@ -92,10 +86,10 @@ class FusedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 g = self._grad(p)
-                if g is None or _local(p).numel() == 0:
+                if g is None or local(p).numel() == 0:
                     continue
                 s = self.state[p]
-                device = _local(p).device
+                device = local(p).device
                 if not s:
                     s["step"] = torch.zeros((), dtype=torch.float32, device=device)
                     s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -110,7 +104,7 @@ class FusedAdamW(torch.optim.Optimizer):
         # A skipped step does not count (torch's fused AdamW subtracts found_inf afterwards).
         torch._foreach_add_(steps, 1.0 if skip is None else (1.0 - skip).to(steps[0].dtype))
         for group, p, g, s in work:
-            self._launch(group, _local(p), _local(g), _local(s["exp_avg"]), _local(s["exp_avg_sq"]), s["step"],
+            self._launch(group, local(p), local(g), local(s["exp_avg"]), local(s["exp_avg_sq"]), s["step"],
                          scale, skip)
         return loss
 
