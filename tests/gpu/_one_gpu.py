@@ -56,6 +56,15 @@ def window_bytes(seq_len: int) -> bytes:
     return _TEXT[:seq_len + 1]
 
 
+def tiny_gpt_bf16(seq_len: int, steps: int) -> List[str]:
+    """The tiny gpt under Megatron-FSDP, bf16 compute over fp32 main weights, on the window text,
+    logging every step: the runs whose losses two settings are compared on."""
+    return ["engine=megatron_fsdp", "model=gpt", "model.preset=tiny", "data=text", f"data.path={window_file(seq_len)}",
+            f"train.seq_len={seq_len}", "train.micro_batch_size=4", "train.log_interval=1", "train.progress=false",
+            "optim.lr=3e-3", "optim.warmup_steps=0", "optim.decay_steps=50", "precision.compute_dtype=bf16",
+            "precision.main_params_dtype=fp32", f"train.steps={steps}"]
+
+
 @dataclass
 class Run:
     """One CLI process. `argv` follows `python3` (for training: `-m mfsdp_launch ...`)."""

@@ -20,11 +20,7 @@ pytestmark = pytest.mark.gpu
 SEQ = 64
 STEPS = 8
 # bf16 compute over fp32 main weights and gradients (the graph needs main grads = main params)
-BASE = ["engine=megatron_fsdp", "model=gpt", "model.preset=tiny", "data=text", f"data.path={G.window_file(SEQ)}",
-        f"train.seq_len={SEQ}", "train.micro_batch_size=4", "train.log_interval=1", "train.progress=false",
-        "optim.lr=3e-3", "optim.warmup_steps=0", "optim.decay_steps=50", "optim.impl=torch",
-        "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", "precision.main_grads_dtype=fp32",
-        f"train.steps={STEPS}"]
+BASE = [*G.tiny_gpt_bf16(SEQ, STEPS), "optim.impl=torch", "precision.main_grads_dtype=fp32"]
 GRAPH = "train.cuda_graph=full_iteration"
 COMPILE = "train.compile=true"
 ONCE = ["checkpoint.save_final=false"]

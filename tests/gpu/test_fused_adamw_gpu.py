@@ -15,11 +15,7 @@ pytestmark = pytest.mark.gpu
 
 SEQ = 64
 STEPS = 8
-BASE = ["engine=megatron_fsdp", "model=gpt", "model.preset=tiny", "data=text", f"data.path={G.window_file(SEQ)}",
-        f"train.seq_len={SEQ}", "train.micro_batch_size=4", "train.log_interval=1", "train.progress=false",
-        "optim.lr=3e-3", "optim.warmup_steps=0", "optim.decay_steps=50", "train.grad_clip=0.05",
-        "precision.compute_dtype=bf16", "precision.main_params_dtype=fp32", f"train.steps={STEPS}",
-        "checkpoint.save_final=false"]
+BASE = [*G.tiny_gpt_bf16(SEQ, STEPS), "train.grad_clip=0.05", "checkpoint.save_final=false"]
 TORCH = ["optim.impl=fused", "precision.main_grads_dtype=fp32"]
 OURS = ["optim.impl=triton", "precision.main_grads_dtype=bf16", "engine.use_decoupled_grad=true"]
 
