@@ -94,6 +94,15 @@ def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
                     t.copy_(w)
 
 
+def closure_loss(closure):
+    """An optimizer step's `closure` (torch's contract: it recomputes the loss, with gradients
+    enabled), run; None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def torch_adamw_defaults(*, lr: float, betas, eps: float, weight_decay: float) -> dict:
     """torch.optim.AdamW's param-group keys (amsgrad, foreach, ...; unused by our own kernels) with
     these values: a checkpoint of torch's AdamW and of ours then loads into the other."""
@@ -131,10 +140,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             step_group(self.state, group, self.state_dtype)
         return loss

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adamw import local, torch_adamw_defaults
+from .adamw import closure_loss, local, torch_adamw_defaults
 
 BLOCK = 1024 if os.environ.get("TRITON_INTERPRET") != "1" else 64
 
@@ -78,10 +78,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         work = []
         for group in self.param_groups:
             for p in group["params"]:

@@ -27,7 +27,7 @@ from typing import Iterable, List, Set
 import torch
 import torch.nn as nn
 
-from .adamw import local as _local, step_group
+from .adamw import closure_loss, local as _local, step_group
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steep at 0
 NS_STEPS = 5
@@ -102,10 +102,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             (self._muon if group["muon"] else self._adamw)(group)
         return loss
