@@ -13,7 +13,7 @@ import yaml
 
 PATH = Path(__file__).resolve().parent.parent / "bench" / "matrix.yaml"
 FIELDS = {"name", "base", "about", "kind", "engine", "fp8_params", "model", "preset", "seq", "mbs", "precision",
-          "zero", "outer", "ac", "ac_every", "tp", "cp", "n_layers", "ga", "steps", "log_interval", "timeout",
+          "zero", "outer", "ac", "ac_every", "tp", "cp", "n_layers", "ga", "grads", "steps", "log_interval", "timeout",
           "force", "profile", "extra", "env", "peft", "sft", "recipe"}
 REQUIRED = ("model", "preset", "seq", "mbs", "precision")
 GROUP_FIELDS = {"about", "base", "memory", "entries"}

@@ -144,6 +144,7 @@ class MegatronFSDPEngine(Engine):
         wrapped = mfsdp.fully_shard_model(**kwargs)
         _restore_hfsdp_grad_scaling(wrapped)
         _avoid_single_rank_premul_sum(wrapped)
+        _skip_unit_grad_scaling(wrapped)
         self._model = wrapped
         return wrapped
 
@@ -375,6 +376,24 @@ def _avoid_single_rank_premul_sum(wrapped) -> None:
     group = index.get_fsdp_group() if index is not None else None
     if group is not None and dist.get_world_size(group) == 1 and dist.get_world_size() > 1:
         wrapped.ddp_config.gradient_reduce_div_fusion = False
+
+
+def _skip_unit_grad_scaling(wrapped) -> None:
+    """Drop a gradient scaling factor of exactly 1.0 (one data-parallel rank).
+
+    Before each bucket's reduce-scatter, Megatron-FSDP multiplies bf16 gradients in place by the
+    buffer's factor (`gradient_reduce_preprocessing`): at 1.0 a read and write of every gradient
+    for nothing (2.1 ms of a 144 ms step, gpt 1.4b on one H100, session 36's profile). A factor of
+    None makes it a plain SUM, which after a multiply by 1.0 it was anyway; under
+    average_in_collective the factor selects AVG, so it stays.
+    """
+    if getattr(getattr(wrapped, "ddp_config", None), "average_in_collective", False):
+        return
+    buffer = getattr(wrapped, "param_and_grad_buffer", None)
+    for group in getattr(buffer, "parameter_groups", None) or []:
+        for gbuf in (getattr(group, "main_grad_buffer", None), getattr(group, "hfsdp_helper_gbuf", None)):
+            if gbuf is not None and gbuf.gradient_scaling_factor == 1.0:
+                gbuf.gradient_scaling_factor = None
 
 
 def make_capturable(optimizer, device) -> None:

@@ -352,15 +352,18 @@ def dcp_roundtrip(ctx: Context, model: str, zero: str, outer: str):
 
 
 def adamw_equivalence(ctx: Context, zero: str, outer: str = "no_shard", clip: Optional[float] = 0.05,
-                      steps: int = 3):
+                      steps: int = 3, main_grads: str = "fp32"):
     """First updates equal plain torch.optim.AdamW on the same model and data (the 0.6.1 synthetic
-    step workaround), and the engine's clipped global norm equals clip_grad_norm_'s."""
+    step workaround), and the engine's clipped global norm equals clip_grad_norm_'s. `scaling`:
+    the gradient buffers' factors (engines/megatron.py drops 1.0)."""
     spec = spec_of("gpt_tiny")
     batch = token_batch(ctx)
     ref, _ = build(ctx, "gpt_tiny", meta=False, seed=0)
     m, _ = build(ctx, "gpt_tiny", meta=False, seed=0)
-    eng = engine_for(ctx, zero=zero, outer=outer, main_params="fp32", main_grads="fp32")
+    eng = engine_for(ctx, zero=zero, outer=outer, main_params="fp32", main_grads=main_grads)
     m = eng.shard(m, spec, init_on_meta=False)
+    scaling = sorted({repr(gbuf.gradient_scaling_factor) for g in m.param_and_grad_buffer.parameter_groups
+                      for gbuf in (g.main_grad_buffer, getattr(g, "hfsdp_helper_gbuf", None)) if gbuf is not None})
     ocfg = typed(optim=dict(lr=1e-3, weight_decay=0.1)).optim
     opt = eng.wrap_optimizer(m, build_optimizer(m, ocfg, fused_ok=True))
     ropt = build_optimizer(ref, ocfg, fused_ok=True)
@@ -386,7 +389,8 @@ def adamw_equivalence(ctx: Context, zero: str, outer: str = "no_shard", clip: Op
         losses.append(loss.item())
         rlosses.append(rloss.item())
     return {"max_param_diff": diffs, "norm": norms, "ref_norm": rnorms, "loss": losses, "ref_loss": rlosses,
-            "clip": clip, "n_state": len(opt.state), "n_opt_params": sum(len(g["params"]) for g in opt.param_groups)}
+            "clip": clip, "n_state": len(opt.state), "n_opt_params": sum(len(g["params"]) for g in opt.param_groups),
+            "scaling": scaling}
 
 
 def frozen(ctx: Context, meta: bool, zero: str = "optim_grads"):

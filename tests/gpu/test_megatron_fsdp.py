@@ -216,6 +216,7 @@ def test_first_updates_equal_plain_adamw(mesh, zero, outer):
         assert d["norm"][0] > d["clip"], "the clip threshold should have been exercised"
         for a, b in zip(d["loss"], d["ref_loss"]):
             assert abs(a - b) <= 1e-5 * b
+        assert "1.0" not in d["scaling"], d["scaling"]  # dropped on one rank, 1/dp on more
 
 
 # ------------------------------------------------------------------------------- misc

@@ -38,6 +38,7 @@ for _m in TOYS:
         JOB.add(f"dcp-{_m}-{_z}", "dcp_roundtrip", model=_m, zero=_z, outer="no_shard")
 for _z in ZEROS:
     JOB.add(f"adamw-{_z}", "adamw_equivalence", zero=_z)
+    JOB.add(f"adamw-{_z}-bf16grads", "adamw_equivalence", zero=_z, main_grads="bf16")
     JOB.add(f"ez-{_z}", "ez", zero=_z)
 for _meta in (False, True):
     JOB.add(f"frozen-meta{_meta}", "frozen", meta=_meta)
@@ -73,6 +74,20 @@ def test_first_updates_equal_plain_adamw_one_gpu(one_gpu, zero):
     for a, b in zip(d["loss"], d["ref_loss"]):
         assert abs(a - b) <= 1e-5 * b, (d["loss"], d["ref_loss"])
     assert d["loss"][-1] < d["loss"][0], d["loss"]
+    assert d["scaling"] == ["None"], d["scaling"]  # one rank: no multiply by 1.0 before the reduce
+
+
+@pytest.mark.parametrize("zero", ZEROS)
+def test_bf16_main_gradients_are_not_multiplied_by_one_and_still_train_as_adamw_one_gpu(one_gpu, zero):
+    """bf16 main gradients are the ones Megatron-FSDP multiplied by the 1/dp factor in place; on
+    one rank the engine drops that factor (1.0). The updates still follow plain AdamW's to bf16's
+    rounding of the gradients."""
+    (d,) = case(JOB, f"adamw-{zero}-bf16grads")
+    assert d["scaling"] == ["None"], d["scaling"]
+    print(f"bf16 grads, {zero}: max param diff {max(d['max_param_diff']):.2e}, norms {d['norm']} vs {d['ref_norm']}")
+    assert max(d["max_param_diff"]) < 1e-4, d["max_param_diff"]
+    for n, r in zip(d["norm"], d["ref_norm"]):
+        assert abs(n - r) <= 1e-2 * r, (d["norm"], d["ref_norm"])
 
 
 @pytest.mark.parametrize("zero", ZEROS)

@@ -4,7 +4,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mfsdp_launch.engines.megatron import (MegatronFSDPEngine, _restore_hfsdp_grad_scaling, make_capturable, match_capturable, reset_step_counters, unwrap)
+from mfsdp_launch.engines.megatron import (MegatronFSDPEngine, _restore_hfsdp_grad_scaling, _skip_unit_grad_scaling,
+                                          make_capturable, match_capturable, reset_step_counters, unwrap)
 from mfsdp_launch.engines.megatron_plan import plan_megatron_fsdp
 from mfsdp_launch.core.errors import ConfigError
 from mfsdp_launch.mesh import ParallelDims
@@ -218,6 +219,43 @@ def test_hfsdp_helper_buffer_gets_the_main_buffers_gradient_scaling():
     assert hfsdp.hfsdp_helper_gbuf.gradient_scaling_factor == 0.25
     assert plain.hfsdp_helper_gbuf is None
     assert fixed.hfsdp_helper_gbuf.gradient_scaling_factor == 0.125
+
+
+def test_a_unit_gradient_scaling_is_dropped_and_every_other_kept():
+    """One data-parallel rank: factor 1.0 becomes None (main and HFSDP helper buffers); 1/dp on
+    more ranks stays, and so does 1.0 under average_in_collective, where it selects AVG."""
+    from types import SimpleNamespace as NS
+
+    def model(factors, average=False):
+        groups = [NS(main_grad_buffer=NS(gradient_scaling_factor=f), hfsdp_helper_gbuf=NS(gradient_scaling_factor=f))
+                  for f in factors]
+        return NS(ddp_config=NS(average_in_collective=average), param_and_grad_buffer=NS(parameter_groups=groups))
+
+    def factors(m):
+        return [(g.main_grad_buffer.gradient_scaling_factor, g.hfsdp_helper_gbuf.gradient_scaling_factor)
+                for g in m.param_and_grad_buffer.parameter_groups]
+
+    one, many, avg = model([1.0, 1.0]), model([0.5, 1.0]), model([1.0], average=True)
+    for m in (one, many, avg):
+        _skip_unit_grad_scaling(m)
+    assert factors(one) == [(None, None), (None, None)]
+    assert factors(many) == [(0.5, 0.5), (None, None)]  # an expert group over one rank among 1/2 groups
+    assert factors(avg) == [(1.0, 1.0)]
+
+
+def test_megatron_fsdp_sums_unscaled_gradients_without_touching_them_when_the_factor_is_none():
+    """The premise of _skip_unit_grad_scaling, on the library's own function: 1.0 multiplies the
+    bf16 bucket in place and sums; None only sums."""
+    mfsdp_buffer = pytest.importorskip("megatron_fsdp.param_and_grad_buffer")
+    from types import SimpleNamespace as NS
+
+    config = NS(average_in_collective=False, gradient_reduce_div_fusion=True)
+    grad = torch.full((4,), 3.0, dtype=torch.bfloat16)
+    version = grad._version
+    assert mfsdp_buffer.gradient_reduce_preprocessing(grad, None, config) == torch.distributed.ReduceOp.SUM
+    assert grad._version == version  # not written
+    assert mfsdp_buffer.gradient_reduce_preprocessing(grad, 1.0, config) == torch.distributed.ReduceOp.SUM
+    assert grad._version > version  # the multiply it no longer runs
 
 
 def test_tied_meta_parameters_are_materialized_once_for_every_module_that_holds_them():
