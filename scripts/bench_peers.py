@@ -95,12 +95,6 @@ ENTRIES: Dict[str, dict] = {
                                  engine="megatron_fsdp",
                                  grads="bf16", extra=["train.compile=true", "optim.impl=triton",
                                                       "engine.use_decoupled_grad=true"], **dict(LLAMA, model="gpt")),
-    # mfsdp_compile_triton with cuDNN's fused attention (model.attention_kernel=cudnn) in place of
-    # FlashAttention-2, torch's choice on Hopper (scripts/bench_attention.py times the two alone).
-    "mfsdp_compile_triton_cudnn": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_compile_triton_cudnn", kind="launcher",
-                                       engine="megatron_fsdp", grads="bf16",
-                                       extra=["train.compile=true", "optim.impl=triton", "engine.use_decoupled_grad=true",
-                                              "model.attention_kernel=cudnn"], **dict(LLAMA, model="gpt")),
     "mfsdp_triton": dict(name="peers_mfsdp_gpt_1.4b_bf16_mbs4_triton", kind="launcher", engine="megatron_fsdp",
                          grads="bf16", extra=["optim.impl=triton", "engine.use_decoupled_grad=true"],
                          **dict(LLAMA, model="gpt")),

@@ -83,8 +83,6 @@ def needs_cuda(cfg) -> Tuple[str, str]:
         return "model.loss_kernel", "model.loss_kernel=te_fused (a Triton kernel) needs CUDA"
     if cfg.optim.impl == OptimImpl.triton:
         return "optim.impl", "optim.impl=triton (a Triton kernel) needs CUDA"
-    if str(cfg.model.get("attention_kernel", "auto")) == "cudnn":
-        return "model.attention_kernel", "model.attention_kernel=cudnn (cuDNN's fused attention) needs CUDA"
     if cfg.engine.backend == Backend.nccl:
         return "engine.backend", "engine.backend=nccl needs CUDA"
     return "", ""
@@ -110,7 +108,7 @@ def check_fused_optim(cfg) -> None:
 
 def refuse_gpu_only(cfg, where: str) -> None:
     """One line for a setting that only means something on a GPU, on a run that is on the CPU
-    (`where` says how we know): nothing to offload, no FP8 matmuls, no CUDA kernels."""
+    (`where` says how we know): nothing to offload, no FP8 matmuls."""
     if cfg.train.cpu_offload:
         raise ConfigError("train.cpu_offload", f"true moves the sharded state from the GPU to host memory, but "
                           f"{where}: there it lives in host memory already", "false")
@@ -120,8 +118,6 @@ def refuse_gpu_only(cfg, where: str) -> None:
     if cfg.optim.impl == OptimImpl.triton:
         raise ConfigError("optim.impl", f"triton steps with a Triton kernel on CUDA tensors; {where}",
                           "torch|fused|foreach")
-    if str(cfg.model.get("attention_kernel", "auto")) == "cudnn":
-        raise ConfigError("model.attention_kernel", f"cudnn is cuDNN's attention on CUDA tensors; {where}", "auto")
 
 
 def check_gpus(cfg) -> None:

@@ -18,14 +18,6 @@ class Router(Choice):
     sigmoid = "sigmoid"
 
 
-class AttentionKernel(Choice):
-    """model.attention_kernel (gpt): which fused attention torch's scaled_dot_product_attention runs."""
-
-    auto = "auto"  # torch's choice: FlashAttention-2 on Hopper
-    # cuDNN's fused attention first (CUDA), torch's choice where cuDNN cannot run the shape or mask
-    cudnn = "cudnn"
-
-
 @dataclass
 class MoEConfig:
     """model.moe.*: mixture-of-experts MLPs (models/llama/moe_dims.py). Null values come from the
@@ -68,8 +60,6 @@ class GPTModelConfig(ModelConfig):
     # mapping, as HF writes it; null with init_from: its config.json's.
     rope_scaling: Any = None
     loss_kernel: LossKernel = LossKernel.torch
-    # model=gpt; te_gpt's TE attention picks its own backend (NVTE_FUSED_ATTN / NVTE_FLASH_ATTN).
-    attention_kernel: AttentionKernel = AttentionKernel.auto
     # Start from a Llama-layout HF directory (dims from its config.json).
     init_from: Optional[str] = None
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -216,11 +216,10 @@ class GPTFamily(ModelFamily):
 
     def spec(self, m, seq_len: int) -> ModelSpec:
         from ...components.precision import torch_dtype
-        from .gpt_modules import GPT, Block, use_attention_kernel
+        from .gpt_modules import GPT, Block
 
-        dims, dtype, kernel = self.dims(m), torch_dtype(m.params_dtype), str(m.attention_kernel)
-        return self._spec(m, seq_len, build=lambda: use_attention_kernel(GPT(dims, dtype=dtype), kernel),
-                          unit_modules=(Block,),
+        dims, dtype = self.dims(m), torch_dtype(m.params_dtype)
+        return self._spec(m, seq_len, build=lambda: GPT(dims, dtype=dtype), unit_modules=(Block,),
                           init_weights=lambda model: find_module(model, GPT).init_weights())
 
 

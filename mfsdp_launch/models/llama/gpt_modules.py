@@ -16,13 +16,11 @@ within itself exactly as it would alone.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..doc_attention import Documents
 from .dims import GPTDims, RopeScaling
@@ -141,8 +139,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d.head_dim, d.norm_eps, **kw) if d.qk_norm else None
         # Set by models/llama/context_parallel.py under mesh.cp > 1: this rank holds part of the sequence.
         self.context_parallel = None
-        # SDPA's backends in priority order (model.attention_kernel, use_attention_kernel); None: torch's.
-        self.sdpa_backends: Optional[list] = None
         # (cos, sin) of this forward's positions, set by GPT.forward: one table for all layers. Not a
         # forward argument, so FSDP's input casting keeps it fp32; computed per layer, torch.compile
         # fused the cos/sin into the q/k kernels and spent 14 % of a 1.4B step on them.
@@ -175,35 +171,15 @@ class Attention(nn.Module):
         shared = self.rope is not None and self.rope[0].shape[0] == T
         cos, sin = self.rope if shared else self.rope_tables(T, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        backends = self.sdpa_backends
-        with sdpa_kernel(backends, set_priority=True) if backends else nullcontext():
-            if cp is not None:
-                if mask is not None:  # validation refuses data.doc_mask with mesh.cp > 1
-                    raise ValueError("a document mask with context parallelism is not supported")
-                y = cp.attend(q, k, v)
-            elif mask is None:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                   enable_gqa=self.n_kv_heads != self.n_heads)
-            else:
-                y = mask.attend(q, k, v)  # per document (Documents)
+        if cp is not None:
+            if mask is not None:  # validation refuses data.doc_mask with mesh.cp > 1
+                raise ValueError("a document mask with context parallelism is not supported")
+            y = cp.attend(q, k, v)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            y = mask.attend(q, k, v)  # per document (Documents)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * hd))
-
-
-# model.attention_kernel -> SDPA's backends in priority order: the named kernel first, then the
-# ones torch would try, so a shape or mask it cannot run still runs.
-SDPA_BACKENDS = {
-    "auto": None,
-    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-              SDPBackend.MATH],
-}
-
-
-def use_attention_kernel(model: nn.Module, kernel: str) -> nn.Module:
-    """Every Attention of `model` runs SDPA with model.attention_kernel's backends."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.sdpa_backends = SDPA_BACKENDS[str(kernel)]
-    return model
 
 
 class MLP(nn.Module):

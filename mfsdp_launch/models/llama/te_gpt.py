@@ -44,9 +44,6 @@ class TEGPTFamily(GPTFamily):
     def check(self, m, ctx: ModelContext) -> List[str]:
         d = self.dims(m)
         self.check_loss_kernel(m)
-        if str(m.attention_kernel) != "auto":
-            raise ConfigError("model.attention_kernel", f"{m.attention_kernel} is model=gpt's; model={self.name}'s TE "
-                              "attention picks its backend itself (NVTE_FUSED_ATTN=1 for cuDNN's)", "auto")
         # TE's TransformerLayer is the dense block; the mixture of experts and Qwen3's attention
         # variants are gpt's (TE GroupedLinear experts are not wired).
         for key, used in (("model.moe.experts", d.moe is not None), ("model.qk_norm", d.qk_norm),
