@@ -239,7 +239,7 @@ def test_a_unit_gradient_scaling_is_dropped_and_every_other_kept():
     for m in (one, many, avg):
         _skip_unit_grad_scaling(m)
     assert factors(one) == [(None, None), (None, None)]
-    assert factors(many) == [(0.5, 0.5), (None, None)]  # an expert group over one rank among 1/2 groups
+    assert factors(many) == [(0.5, 0.5), (None, None)]  # the rule is per buffer: only the 1.0 goes
     assert factors(avg) == [(1.0, 1.0)]
 
 
