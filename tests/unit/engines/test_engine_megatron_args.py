@@ -4,8 +4,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mfsdp_launch.engines.megatron import (MegatronFSDPEngine, _restore_hfsdp_grad_scaling, _skip_unit_grad_scaling,
-                                          make_capturable, match_capturable, reset_step_counters, unwrap)
+from mfsdp_launch.engines.megatron import MegatronFSDPEngine, make_capturable, match_capturable, reset_step_counters, unwrap
+from mfsdp_launch.engines.megatron_grad_scaling import _restore_hfsdp_grad_scaling, _skip_unit_grad_scaling
 from mfsdp_launch.engines.megatron_plan import plan_megatron_fsdp
 from mfsdp_launch.core.errors import ConfigError
 from mfsdp_launch.mesh import ParallelDims
