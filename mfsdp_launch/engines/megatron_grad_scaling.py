@@ -67,8 +67,16 @@ def _skip_unit_grad_scaling(wrapped) -> None:
     """
     if getattr(getattr(wrapped, "ddp_config", None), "average_in_collective", False):
         return
+    for gbuf in grad_buffers(wrapped):
+        if gbuf.gradient_scaling_factor == 1.0:
+            gbuf.gradient_scaling_factor = None
+
+
+def grad_buffers(wrapped):
+    """Every gradient buffer that carries a scaling factor: each parameter group's main one and
+    its HFSDP helper, where it has one."""
     buffer = getattr(wrapped, "param_and_grad_buffer", None)
     for group in getattr(buffer, "parameter_groups", None) or []:
         for gbuf in (getattr(group, "main_grad_buffer", None), getattr(group, "hfsdp_helper_gbuf", None)):
-            if gbuf is not None and gbuf.gradient_scaling_factor == 1.0:
-                gbuf.gradient_scaling_factor = None
+            if gbuf is not None:
+                yield gbuf

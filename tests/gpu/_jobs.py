@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from mfsdp_launch.components import precision as P
 from mfsdp_launch.planner.compose import typed_schema
 from mfsdp_launch.engines.base import local_tensor, strip_prefixes
+from mfsdp_launch.engines.megatron_grad_scaling import grad_buffers
 from mfsdp_launch.mesh import ParallelDims
 from mfsdp_launch.components.optim import build_optimizer
 from mfsdp_launch.rank.runtime import Runtime, build_engine, build_model
@@ -362,8 +363,7 @@ def adamw_equivalence(ctx: Context, zero: str, outer: str = "no_shard", clip: Op
     m, _ = build(ctx, "gpt_tiny", meta=False, seed=0)
     eng = engine_for(ctx, zero=zero, outer=outer, main_params="fp32", main_grads=main_grads)
     m = eng.shard(m, spec, init_on_meta=False)
-    scaling = sorted({repr(gbuf.gradient_scaling_factor) for g in m.param_and_grad_buffer.parameter_groups
-                      for gbuf in (g.main_grad_buffer, getattr(g, "hfsdp_helper_gbuf", None)) if gbuf is not None})
+    scaling = sorted({repr(gbuf.gradient_scaling_factor) for gbuf in grad_buffers(m)})
     ocfg = typed(optim=dict(lr=1e-3, weight_decay=0.1)).optim
     opt = eng.wrap_optimizer(m, build_optimizer(m, ocfg, fused_ok=True))
     ropt = build_optimizer(ref, ocfg, fused_ok=True)

@@ -32,7 +32,4 @@ def test_the_triton_adamw_gives_torch_fused_adamws_losses(request, ours, ref):
     assert_learns(want, STEPS, min_drop=0.3, what=ref)
     r = G.get(request, ours).ok()
     assert str(r.config().optim.impl) == "triton"
-    got = r.losses()
-    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in range(1, STEPS + 1))
-    print(f"{ours} vs {ref}: max relative loss difference {worst:.2e} over steps 1..{STEPS}")
-    assert_close(got, want, range(1, STEPS + 1), rel=1e-3, what=f"{ours} vs {ref}")
+    assert_close(r.losses(), want, range(1, STEPS + 1), rel=1e-3, what=f"{ours} vs {ref}")  # (prints the worst)
