@@ -26,3 +26,7 @@ class MegatronFSDPConfig(EngineConfig):
     # communication buffers, more memory (docs/performance.md).
     nccl_ub: bool = False
     fsdp_double_buffer: bool = False
+    # Transformer Engine layers write each weight gradient straight into Megatron-FSDP's gradient
+    # buffer (TE's fuse_wgrad_accumulation; Megatron-Core's gradient_accumulation_fusion) instead of
+    # autograd's gradient being copied or added into it: engines/megatron_wgrad_fusion.py.
+    fuse_wgrad_accumulation: bool = False

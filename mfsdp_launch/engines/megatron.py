@@ -12,6 +12,9 @@ what Megatron-FSDP 0.6.1 leaves to the caller (see shared notes):
   real update equals plain AdamW's.
 * Gradient scaling: HFSDP's helper buffer, one-rank PreMulSum and the multiply by 1.0 on one
   rank are corrected after wrapping (engines/megatron_grad_scaling.py).
+* engine.fuse_wgrad_accumulation: TE layers write their weight gradients into the engine's
+  buffer, with Megatron-FSDP's overwrite flag corrected for unsharded buffers
+  (engines/megatron_wgrad_fusion.py).
 * There is no compute dtype: the model is cast to `precision.compute_dtype` before wrapping (TE
   FP8 primary weights are left alone).
 * Gradient clipping: the global L2 norm over uneven gradient shards (some `None`) is summed over
@@ -37,6 +40,7 @@ from ..components.precision import torch_dtype
 from .base import Engine, local_tensor, square_sum
 from .megatron_grad_scaling import correct_grad_scaling
 from .megatron_plan import MegatronPlan, plan_megatron_fsdp
+from .megatron_wgrad_fusion import fuse_te_wgrad_accumulation
 from .te_state import TE_EXTRA_STATE, load_te_extra_state, te_extra_state
 from ..core.names import first_line
 
@@ -146,6 +150,8 @@ class MegatronFSDPEngine(Engine):
         kwargs.update(expert_kwargs(model, self.mesh, self.dims, plan))  # a mixture of experts: its mesh
         wrapped = mfsdp.fully_shard_model(**kwargs)
         correct_grad_scaling(wrapped)
+        if plan.fuse_wgrad_accumulation:
+            fuse_te_wgrad_accumulation(model)
         self._model = wrapped
         return wrapped
 

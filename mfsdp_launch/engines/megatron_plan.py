@@ -37,6 +37,7 @@ class MegatronPlan:
     cuda_graph_mode: bool
     nccl_ub: bool
     fsdp_double_buffer: bool
+    fuse_wgrad_accumulation: bool  # applied after wrapping (engines/megatron_wgrad_fusion.py)
     # Group over which gradient shards are disjoint: "none" (full replicas), "fsdp"
     # (dp_shard[_cp]) or "hybrid" (dp_outer x dp_shard[_cp], HFSDP).
     grad_norm_group: str
@@ -97,6 +98,7 @@ def plan_megatron_fsdp(dims, sharding_cfg, precision_cfg, engine_cfg, *, mesh_en
         cuda_graph_mode=bool(cuda_graph),
         nccl_ub=bool(engine_cfg.nccl_ub),
         fsdp_double_buffer=bool(engine_cfg.fsdp_double_buffer or engine_cfg.nccl_ub),
+        fuse_wgrad_accumulation=bool(engine_cfg.fuse_wgrad_accumulation),
         grad_norm_group=norm_group,
         checkpoint_format="replicated" if zero is ZeroStrategy.no_shard else "dtensor",
     )

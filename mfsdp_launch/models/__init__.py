@@ -20,6 +20,11 @@ def names() -> Tuple[str, ...]:
     return tuple(FAMILIES)
 
 
+def te_names() -> Tuple[str, ...]:
+    """The models built on Transformer Engine layers (the ones TE's FP8 recipes and TE-only keys act on)."""
+    return tuple(name for name, fam in FAMILIES.items() if fam.has_te_layers)
+
+
 def family(name: str) -> ModelFamily:
     if name not in FAMILIES:
         raise ConfigError("model", f"unknown model {name!r}", names())

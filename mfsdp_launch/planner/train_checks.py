@@ -15,7 +15,7 @@ from ..core.schema import OptimConfig, OptimName, Schedule
 from ..core.sharding import ZeroStrategy
 from ..engines import EngineCaps
 from ..mesh import ParallelDims
-from ..models import family
+from ..models import family, te_names
 from . import machine
 
 
@@ -57,6 +57,8 @@ def check_train(cfg, caps: EngineCaps) -> List[str]:
         raise ConfigError("engine.use_decoupled_grad", "true puts the reduced gradients in param.decoupled_grad, "
                           f"which only TE's FusedAdam and optim.impl=triton read: optim.impl={o.impl} would find "
                           "no gradients and never update a weight", "false, or optim.impl=te_fused|triton")
+    if cfg.engine.get("fuse_wgrad_accumulation", False):
+        _check_wgrad_fusion(cfg)
     if t.cpu_offload and o.impl == OptimImpl.triton:
         raise ConfigError("optim.impl", "triton steps on CUDA tensors, and train.cpu_offload keeps the sharded "
                           "state in host memory", "torch|foreach")
@@ -67,6 +69,17 @@ def check_train(cfg, caps: EngineCaps) -> List[str]:
         warnings.append("engine.nccl_ub: Megatron's NCCL allocator sets NCCL_NVLS_ENABLE=1 (NVLink multicast) in "
                         "every rank; on a host whose GPUs others share, keep it off")
     return warnings
+
+
+def _check_wgrad_fusion(cfg) -> None:
+    """engine.fuse_wgrad_accumulation acts on Transformer Engine layers, outside a captured graph."""
+    if not family(cfg.model.name).has_te_layers:
+        raise ConfigError("engine.fuse_wgrad_accumulation", f"true would do nothing: model={cfg.model.name} has "
+                          "no Transformer Engine layers", "false, or model=" + "|".join(te_names()))
+    if cfg.train.cuda_graph == CudaGraphMode.full_iteration:
+        # TE asks Megatron-FSDP for the gradient buffer from inside its backward; never captured here
+        raise ConfigError("engine.fuse_wgrad_accumulation", "true is not supported with "
+                          "train.cuda_graph=full_iteration", "false")
 
 
 def check_optim(o, dims: ParallelDims, caps: EngineCaps) -> None:

@@ -17,7 +17,7 @@ from ..core.schema import KeepBest
 from ..core.sharding import ZeroStrategy, check_sharding, single_node_outer_warning
 from ..engines import ENGINES, EngineCaps, engine_caps
 from ..mesh import ParallelDims, world_size
-from ..models import FAMILIES, family
+from ..models import FAMILIES, family, te_names
 from . import machine
 from .model_checks import check_model
 from .train_checks import check_optim, check_train
@@ -153,9 +153,8 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
         raise ConfigError("fp8.skip", "modules built with FP8 weights cannot run in high precision",
                           "[] with fp8.params=true, or fp8.params=false")
     if not family(cfg.model.name).has_te_layers:
-        te_models = [name for name, fam in FAMILIES.items() if fam.has_te_layers]
         raise ConfigError("fp8.recipe", f"'{f.recipe}' would do nothing: model={cfg.model.name} has no "
-                          "Transformer Engine layers", "none, model=" + "|".join(te_models)
+                          "Transformer Engine layers", "none, model=" + "|".join(te_names())
                           + (", or fp8.recipe=torchao_tensorwise|torchao_rowwise|fused_rowwise (no TE)"
                              if family(cfg.model.name).linear_fp8 else ""))
     if f.amax_history_len < 1:

@@ -1,10 +1,11 @@
 """Multi-GPU jobs for the GPU tests: one fresh group of processes per job (one per mesh).
 
-A job runs many cases (dicts naming a function of `_jobs.py` and its arguments) in `world`
-processes started as plain subprocesses (RANK/WORLD_SIZE/MASTER_PORT from a free port), so every
-mesh gets fresh NCCL state (Megatron-FSDP "leaves behind corrupted NCCL state"). Each rank appends
-one JSON line per case to its results file; the pytest process merges them and each parametrized
-test asserts on its own case's data. Jobs are cached per pytest session.
+A job runs many cases (dicts naming a function of `_jobs.py`, or `module:function` of another job
+module, and its arguments) in `world` processes started as plain subprocesses (RANK/WORLD_SIZE/
+MASTER_PORT from a free port), so every mesh gets fresh NCCL state (Megatron-FSDP "leaves behind
+corrupted NCCL state"). Each rank appends one JSON line per case to its results file; the pytest
+process merges them and each parametrized test asserts on its own case's data. Jobs are cached per
+pytest session.
 """
 
 from __future__ import annotations

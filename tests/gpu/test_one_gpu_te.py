@@ -4,14 +4,16 @@
   recipe (delayed, current, blockwise; meta init or not), the FP8 delayed-scaling checkpoint
   round trip (the resumed steps match), custom dtypes with FP8 parameters, full-iteration CUDA
   graphs with FusedAdam (the seed's toy, and the GPT with the loop's clipping/schedule), the TE toy
-  transformer's DCP round trip and fully_shard under every ZeRO level;
+  transformer's DCP round trip and fully_shard under every ZeRO level, and
+  engine.fuse_wgrad_accumulation's gradients over two micro-batches against the unfused engine's;
 * through the CLI: te_gpt under each FP8 recipe Hopper runs (fp8.recipe=delayed|current|blockwise)
   and with FP8 parameters (fp8.params=true) trains and follows the bf16 curve without equalling
   it (FP8 parameters built on the meta device: te_gpt refuses fp8.params without
   model.init_on_meta=true before spawning, since TE's init of them on the GPU fails); an FP8 delayed run resumes from its checkpoint with the uninterrupted losses;
   fp8.attention=true changes the numbers (FP8 attention ran) and trains; model.loss_kernel=te_fused
   gives the torch loss; train.cuda_graph=full_iteration gives the eager losses and saves; and
-  fp8.recipe=mxfp8 on a pre-Blackwell GPU is one line, exit code 2;
+  fp8.recipe=mxfp8 on a pre-Blackwell GPU is one line, exit code 2; engine.fuse_wgrad_accumulation=true
+  at two micro-batches a step follows the unfused losses;
 * data.doc_mask on te_gpt (bf16, GQA): TE's DotProductAttention runs THD over the flattened batch, each
   document of a packed row gives the logits it gives alone, no gradient crosses a document (exactly
   zero), and packed training runs through the CLI (megatron_fsdp, with and without activation
@@ -47,6 +49,11 @@ for _z in ZEROS:
     JOB.add(f"dcp-{_z}", "dcp_roundtrip", model="te_toy_transformer", zero=_z, outer="no_shard")
     JOB.add(f"fs-{_z}", "fully_shard", model="te_toy_transformer", zero=_z, outer="no_shard", preserve_fp32=False,
             meta=False, compile=False)
+# engine.fuse_wgrad_accumulation over two micro-batches; on one GPU every gradient buffer is unsharded
+WGRAD = [(z, mg) for z in ("optim", "optim_grads_params") for mg in (None, "fp32")]
+WGRAD_JOB = Job("one_gpu_te_wgrad", 1, MESH, timeout=240)
+for _z, _mg in WGRAD:
+    WGRAD_JOB.add(f"wgrad-{_z}-{_mg}", "_te_jobs:wgrad_fusion", zero=_z, main_grads=_mg)
 JOB.add("graph-toy", "cuda_graph", outer="no_shard")
 JOB.add("graph-gpt-loop", "cuda_graph", outer="no_shard", model="gpt_tiny", compute="bf16", loop_extras=True)
 
@@ -93,6 +100,20 @@ def test_te_toy_fully_shard_one_gpu(te_gpu, zero):
     _check_fully_shard(case(JOB, f"fs-{zero}"))
 
 
+@pytest.mark.parametrize("zero,main_grads", WGRAD, ids=str)
+def test_te_wgrad_fusion_accumulates_micro_batches_one_gpu(te_gpu, zero, main_grads):
+    """TE's wgrad GEMMs write into Megatron-FSDP's buffer and the two micro-batches' gradients add
+    up as unfused; under the library's own overwrite flag only the last one would be kept."""
+    (d,) = case(WGRAD_JOB, f"wgrad-{zero}-{main_grads}")
+    print(f"wgrad fusion {zero} main_grads={main_grads}: {d['fused']['fused_modules']} TE modules fused, max "
+          f"relative gradient difference {d['fused']['max_rel_diff']:.2e} ({d['fused']['worst']}); uncorrected "
+          f"overwrite: {d['naive']['max_rel_diff']:.2e}")
+    assert d["fused"]["fused_modules"] >= 3, d  # a layer's QKV, projection and MLP at least
+    assert not d["fused"]["missing"], d
+    assert d["fused"]["max_rel_diff"] < 2e-2, d
+    assert d["naive"]["max_rel_diff"] > 0.1, d  # the test tells a kept-last-micro-batch buffer apart
+
+
 @pytest.mark.parametrize("name", ["graph-toy", "graph-gpt-loop"])
 def test_te_full_iteration_cuda_graph_one_gpu(te_gpu, name):
     (d,) = case(JOB, name)
@@ -136,6 +157,8 @@ G.train("te_fused_loss", *TE, *ONCE, "model.loss_kernel=te_fused", needs_te=True
 G.train("gpt_graph", *GRAPH, "train.cuda_graph=full_iteration", needs_te=True)
 G.train("gpt_eager_fusedadam", *GRAPH, "checkpoint.save_final=false", needs_te=True)
 G.train("te_mxfp8", *TE, *ONCE, "fp8.recipe=mxfp8", needs_te=True)
+G.train("te_ga2", *TE, *ONCE, "train.grad_accum_steps=2", needs_te=True)
+G.train("te_ga2_wgrad", *TE, *ONCE, "train.grad_accum_steps=2", "engine.fuse_wgrad_accumulation=true", needs_te=True)
 # Megatron-FSDP's gradients in param.decoupled_grad: TE's FusedAdam must read them there (session
 # 28's fix; before it no weight moved).
 G.train("gpt_decoupled_grad", *GRAPH, "checkpoint.save_final=false", "engine.use_decoupled_grad=true", needs_te=True)
@@ -382,3 +405,11 @@ def test_te_gpt_trains_under_fsdp2():
     require_te()
     losses = _te_packed_cli("te_fsdp2_plain", "engine=fsdp2")
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
+@uses("te_ga2", "te_ga2_wgrad")
+def test_te_cli_wgrad_fusion_follows_unfused_losses(request, te_gpu):
+    ref = G.get(request, "te_ga2").ok().losses()
+    got = G.get(request, "te_ga2_wgrad").ok().losses()
+    assert_learns(got, STEPS, min_drop=0.5, what="fused wgrad")
+    assert_close(got, ref, range(1, STEPS + 1), rel=1e-2, what="fuse_wgrad_accumulation vs unfused")

@@ -106,14 +106,15 @@ def test_precision_policy_dtypes():
 
 def test_engine_switches_pass_through():
     e = MegatronFSDPConfig(name="megatron_fsdp", report_nan_in_param_grad=True, keep_fp8_transpose_cache=True,
-                     use_decoupled_grad=True, sync_every_microbatch=True)
+                     use_decoupled_grad=True, sync_every_microbatch=True, fuse_wgrad_accumulation=True)
     p = plan(engine=e, cuda_graph=True)
     assert p.report_nan_in_param_grad and p.keep_fp8_transpose_cache and p.use_decoupled_grad
+    assert p.fuse_wgrad_accumulation
     assert p.sync_model_each_microbatch and p.cuda_graph_mode
     d = plan().as_dict()
     assert not any(d[k] for k in ("report_nan_in_param_grad", "keep_fp8_transpose_cache", "use_decoupled_grad",
                                   "sync_model_each_microbatch", "cuda_graph_mode", "init_model_with_meta_device",
-                                  "nccl_ub", "fsdp_double_buffer"))
+                                  "nccl_ub", "fsdp_double_buffer", "fuse_wgrad_accumulation"))
     ub = plan(engine=MegatronFSDPConfig(name="megatron_fsdp", nccl_ub=True))
     assert ub.nccl_ub and ub.fsdp_double_buffer  # user buffers need the persistent double buffer
     assert plan(engine=MegatronFSDPConfig(name="megatron_fsdp", fsdp_double_buffer=True)).fsdp_double_buffer

@@ -163,6 +163,11 @@ REFUSALS = [
     (["mesh.enabled=false"], "mesh.enabled"),
     (["engine=megatron_fsdp", "mesh.enabled=false", "mesh.dp_outer=2", "launcher.nproc_per_node=2"], "mesh.enabled"),
     (["engine.backend=mpi"], "engine.backend"),
+    # TE's wgrad fusion: a megatron_fsdp key, on TE layers, outside a captured graph
+    (["engine.fuse_wgrad_accumulation=true"], "engine.fuse_wgrad_accumulation"),  # fsdp2: unknown key
+    (["engine=megatron_fsdp", "engine.fuse_wgrad_accumulation=true"], "engine.fuse_wgrad_accumulation"),  # gpt
+    (["engine=megatron_fsdp", "model=te_gpt", "engine.fuse_wgrad_accumulation=true",
+      "train.cuda_graph=full_iteration"], "engine.fuse_wgrad_accumulation"),
 ]
 
 
@@ -182,6 +187,12 @@ def test_unknown_key_lists_allowed_keys():
 def test_odd_vocab_is_fine_when_the_head_skips_fp8():
     checked("model=te_gpt", "engine=megatron_fsdp", "fp8.recipe=current", "model.vocab_size=1000",
             "fp8.skip=[lm_head]")
+
+
+def test_wgrad_fusion_is_accepted_on_te_layers():
+    cfg, _ = checked("engine=megatron_fsdp", "model=te_gpt", "engine.fuse_wgrad_accumulation=true",
+                     "train.grad_accum_steps=4", "sharding.zero_dp_strategy=optim")
+    assert cfg.engine.fuse_wgrad_accumulation
 
 
 def test_full_iteration_cuda_graph_accepts_the_seed_setup():
