@@ -26,18 +26,18 @@ from typing import List
 import torch
 
 
-def _is_te_linear(module: torch.nn.Module) -> bool:
-    """TE's Linear, LayerNormLinear, LayerNormMLP and GroupedLinear: the modules whose backward
-    honours fuse_wgrad_accumulation."""
-    return type(module).__module__.startswith("transformer_engine") and hasattr(module, "fuse_wgrad_accumulation")
-
-
 def fusable_te_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The TE linear modules whose trainable weights are theirs alone."""
+    """TE's Linear, LayerNormLinear, LayerNormMLP and GroupedLinear (and subclasses: te_gpt's
+    replicated head), the modules whose backward honours fuse_wgrad_accumulation, whose trainable
+    weights are theirs alone."""
+    try:
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    except ImportError:  # no TE, no TE layers
+        return []
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     found = []
     for module in model.modules():
-        if not _is_te_linear(module):
+        if not (isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation")):
             continue
         own = list(module.parameters(recurse=False))
         if any(p.requires_grad for p in own) and all(uses[id(p)] == 1 for p in own):
