@@ -133,15 +133,17 @@ def _check_fp8(cfg, caps: EngineCaps) -> None:
         if f.skip:
             raise ConfigError("fp8.skip", "has no effect with fp8.recipe=none", "[], or an fp8.recipe")
         if f.attention:
-            raise ConfigError("fp8.attention", "true has no effect with fp8.recipe=none", "false, or fp8.recipe=delayed|current")
+            raise ConfigError("fp8.attention", "true has no effect with fp8.recipe=none", "false, or fp8.recipe=delayed")
         return
     if on_linears(f.recipe):
         float8.check_config(f, supported=family(cfg.model.name).support(caps).fp8, model=cfg.model.name,
                             tp=int(cfg.mesh.tp), linear_models=[n for n, fam in FAMILIES.items() if fam.linear_fp8])
         return
-    if f.attention and f.recipe not in (FP8Recipe.delayed, FP8Recipe.current):
-        raise ConfigError("fp8.attention", f"FP8 attention is wired for delayed and current scaling, not '{f.recipe}'",
-                          "false, or fp8.recipe=delayed|current")
+    if f.attention and f.recipe != FP8Recipe.delayed:
+        # Under current scaling TE 2.20 found no attention backend for te_gpt 8b's layers (GQA, seq
+        # 8192, one H100, session 38), after the launch; delayed is the scaling that ran
+        raise ConfigError("fp8.attention", f"FP8 attention runs here under delayed scaling only, not '{f.recipe}'",
+                          "false, or fp8.recipe=delayed")
     if f.attention and cfg.mesh.cp > 1:
         # TE's context-parallel attention has FP8 paths, but none was run here
         raise ConfigError("fp8.attention", "with mesh.cp > 1 is not tested here", "false, or mesh.cp=1")

@@ -142,6 +142,7 @@ REFUSALS = [
       "train.grad_accum_steps=2"], "train.grad_accum_steps"),
     (["fp8.attention=true"], "fp8.attention"),
     (["engine=megatron_fsdp", "model=te_gpt", "fp8.recipe=blockwise", "fp8.attention=true"], "fp8.attention"),
+    (["engine=megatron_fsdp", "model=te_gpt", "fp8.recipe=current", "fp8.attention=true"], "fp8.attention"),
     (["engine=megatron_fsdp", "model=te_gpt", "fp8.recipe=delayed", "fp8.attention=true", "mesh.cp=2",
       "launcher.nproc_per_node=2", "model.preset=125m"], "fp8.attention"),
     (["engine=megatron_fsdp", "train.cuda_graph=full_iteration", "optim.impl=te_fused", "model.loss_kernel=te_fused"],
