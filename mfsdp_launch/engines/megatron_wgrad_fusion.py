@@ -25,19 +25,17 @@ from typing import List
 
 import torch
 
+from .te_state import te_modules
+
 
 def fusable_te_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     """TE's Linear, LayerNormLinear, LayerNormMLP and GroupedLinear (and subclasses: te_gpt's
     replicated head), the modules whose backward honours fuse_wgrad_accumulation, whose trainable
     weights are theirs alone."""
-    try:
-        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-    except ImportError:  # no TE, no TE layers
-        return []
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     found = []
-    for module in model.modules():
-        if not (isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation")):
+    for _, module in te_modules(model):
+        if not hasattr(module, "fuse_wgrad_accumulation"):
             continue
         own = list(module.parameters(recurse=False))
         if any(p.requires_grad for p in own) and all(uses[id(p)] == 1 for p in own):
@@ -60,11 +58,9 @@ def _overwrite_only_sharded_buffers(module: torch.nn.Module, args) -> None:
     module.fuse_wgrad_accumulation = fused
 
 
-def fuse_te_wgrad_accumulation(model: torch.nn.Module) -> int:
-    """Turn the fusion on for every fusable TE module of a model Megatron-FSDP has wrapped; returns
-    how many. Called after `fully_shard_model`, which gives the weights their `get_main_grad`."""
-    modules = fusable_te_modules(model)
-    for module in modules:
+def fuse_te_wgrad_accumulation(model: torch.nn.Module) -> None:
+    """Turn the fusion on for every fusable TE module of a model Megatron-FSDP has wrapped. Called
+    after `fully_shard_model`, which gives the weights their `get_main_grad`."""
+    for module in fusable_te_modules(model):
         module.fuse_wgrad_accumulation = True
         module.register_forward_pre_hook(_overwrite_only_sharded_buffers)
-    return len(modules)

@@ -20,7 +20,8 @@ def _te_base_class():
     return TransformerEngineBaseModule
 
 
-def _te_modules(module: torch.nn.Module):
+def te_modules(module: torch.nn.Module):
+    """(name, module) of every Transformer Engine module (TE's base class; none without TE)."""
     base = _te_base_class()
     if base is None:
         return []
@@ -39,7 +40,7 @@ def te_extra_state(module: torch.nn.Module) -> Dict[str, bytes]:
     none). The key set depends only on the model's structure, so a fresh model's template has the
     same keys as the checkpoint. Tensors go through torch.save, loaded back with weights_only."""
     out: Dict[str, bytes] = {}
-    for name, m in _te_modules(module):
+    for name, m in te_modules(module):
         payload = b""
         meta = getattr(m, "fp8_meta", None) or {}
         states = _delayed_state(meta)
@@ -68,7 +69,7 @@ def te_extra_state(module: torch.nn.Module) -> Dict[str, bytes]:
 def load_te_extra_state(module: torch.nn.Module, state: Dict[str, Any]) -> int:
     """Restore what `te_extra_state` saved; returns how many modules got FP8 history."""
     restored = 0
-    for name, m in _te_modules(module):
+    for name, m in te_modules(module):
         payload = state.get(name or "root")
         if isinstance(payload, torch.Tensor):
             payload = payload.cpu().numpy().tobytes()

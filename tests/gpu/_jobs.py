@@ -591,10 +591,10 @@ def _fp32_loss_step(e, m, o, spec, batch, rec) -> float:
 
 def _fp8_history(m) -> Dict[str, List[float]]:
     """Sums of each TE module's delayed-scaling scales and amax histories (fwd and bwd)."""
-    from mfsdp_launch.engines.te_state import _delayed_state, _te_modules
+    from mfsdp_launch.engines.te_state import _delayed_state, te_modules
 
     out = {}
-    for name, mod in _te_modules(m.module):
+    for name, mod in te_modules(m.module):
         st = _delayed_state(getattr(mod, "fp8_meta", {}) or {})
         if st is not None:
             out[name] = [float(x.scale.double().sum()) for x in st] + [float(x.amax_history.double().sum()) for x in st]
