@@ -444,7 +444,7 @@ def render(res: dict) -> None:
                          f"**{g['tokens_per_s_per_gpu'] / h['tokens_per_s_per_gpu']:.3f}x**")
     if notes:
         lines += ["", *notes]
-    lines += bench_report.report_lines(res["runs"])  # the peers' and small models' notes, issue 16's table
+    lines += bench_report.report_lines(res["runs"], res.get("device", ""))  # peers, small models, issues 16 and 27
     (OUT / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -1,6 +1,6 @@
-"""Issue 16's scoreboard under bench/results.md: each workload's figure when the issue was filed
-("now") next to the best row measured since ("after"), and the notes of the peers and small-model
-groups. Pure functions over results.json's rows (no torch, no bench import), called by
+"""The issues' scoreboards under bench/results.md: each workload's figure when issue 16 or 27 was
+filed ("now") next to the best row measured since ("after"), and the notes of the peers and
+small-model groups. Pure functions over results.json's rows (no torch, no bench import), called by
 scripts/bench.py's `render`, so every script that re-renders results.md writes the same page.
 """
 
@@ -30,7 +30,8 @@ def _tps(r: Optional[dict]) -> str:
     if r.get("zero", 3) != 3:
         changes.append(f"sharding.zero_dp_strategy={r['zero']}")
     how = f": {', '.join(f'`{c}`' for c in changes)}" if changes else ""
-    return f"{r['tokens_per_s_per_gpu']:,.0f}{mfu} (`{r['name']}`{how})"
+    note = "; see the row's note in results.json" if r.get("note") else ""
+    return f"{r['tokens_per_s_per_gpu']:,.0f}{mfu} (`{r['name']}`{how}{note})"
 
 
 def _te8b(runs: Rows, ga_min: int) -> Optional[dict]:
@@ -129,16 +130,21 @@ def _same_call(a: dict, b: dict, minutes: float = 12.0) -> bool:
 PEER_GOALS = {True: 1.2, False: 1.05}
 
 
-def peer_notes(runs: Rows) -> List[str]:
-    """Each peer row against our fastest row of the same workload (model size, seq, micro-batch,
-    GPUs, precision, compiled or not) measured in the same call; profiled runs of either side left out."""
+def peer_pairs(runs: Rows) -> List[Tuple[dict, Optional[dict]]]:
+    """Each peer row with our fastest row of the same workload (model size, seq, micro-batch, GPUs,
+    precision, compiled or not) measured in the same call, or None; profiled runs of either side left out."""
     ok = [r for r in _ok(runs) if r.get("group") == PEERS and not _profiled(r)]
     ours, peers = [r for r in ok if r.get("kind") == "launcher"], [r for r in ok if r.get("kind") == "peer"]
     keys = ("preset", "seq", "mbs", "world", "precision")
+    return [(p, _best([r for r in ours if all(r.get(k) == p.get(k) for k in keys)
+                       and _compiled(r) == _compiled(p) and _same_call(r, p)]))
+            for p in sorted(peers, key=lambda r: r["name"])]
+
+
+def peer_notes(runs: Rows) -> List[str]:
+    """Each peer row against our fastest row of its workload and call (peer_pairs)."""
     lines = []
-    for p in sorted(peers, key=lambda r: r["name"]):
-        mine = _best([r for r in ours if all(r.get(k) == p.get(k) for k in keys)
-                      and _compiled(r) == _compiled(p) and _same_call(r, p)])
+    for p, mine in peer_pairs(runs):
         goal = PEER_GOALS[_compiled(p)]
         where = f"{p.get('preset')} seq {p.get('seq')} mbs {p.get('mbs')}, {p.get('world', 1)} GPU(s)"
         if mine is None:
@@ -176,10 +182,103 @@ def change_notes(runs: Rows, prefix: str, label: str) -> List[str]:
     return [f"- {label}: ref {ref['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU ({ref['peak_mem_gib']:.1f} GiB); {each}"]
 
 
-def report_lines(runs: Rows) -> List[str]:
-    """Everything results.md shows under the run table."""
+def _gpu(r: dict, header: str) -> str:
+    """The GPU a row ran on: its own device, else the page's (rows from before rows named theirs)."""
+    device = r.get("device") or header
+    return next((g for g in ("H100", "H200", "B200") if g in device), device or "?")
+
+
+def _one_gpu(runs: Rows, **match) -> List[dict]:
+    """Our rows on one GPU that match (profiled ones left out: the profiler slows them)."""
+    return [r for r in _ok(runs) if r.get("kind") == "launcher" and r.get("world") == 1 and not _profiled(r)
+            and all(r.get(k) == v for k, v in match.items())]
+
+
+def _best_on_each_gpu(rows: List[dict], header: str, key: str) -> str:
+    """The best row per GPU kind, H200 first (the issue's machine)."""
+    by_gpu: Dict[str, List[dict]] = {}
+    for r in rows:
+        by_gpu.setdefault(_gpu(r, header), []).append(r)
+    cells = [f"{gpu}: {_tps(_best(found, key))}" for gpu, found in sorted(by_gpu.items(), key=lambda kv: kv[0] != "H200")]
+    return "; ".join(cells) or "not measured"
+
+
+def _recipes(names: Tuple[str, ...]) -> Callable[[Rows, str], str]:
+    """Each recipe as shipped (no override but its length) on one GPU: its best row per GPU kind."""
+    def cell(runs: Rows, header: str) -> str:
+        return " / ".join(f"`{n}` {_best_on_each_gpu([r for r in _one_gpu(runs, recipe=n) if not r.get('extra')], header, 'mfu')}"
+                          for n in names)
+    return cell
+
+
+def _vs_peer(compiled: bool) -> Callable[[Rows, str], str]:
+    """Our best ratio to torchtitan on the 1.4b gpt, one GPU, in one call (peer_pairs), per GPU kind."""
+    def cell(runs: Rows, header: str) -> str:
+        best: Dict[str, Tuple[float, dict, dict]] = {}
+        for p, mine in peer_pairs(runs):
+            if mine is None or _compiled(p) != compiled or (p.get("preset"), p.get("world")) != ("1.4b", 1):
+                continue
+            ratio = mine["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"]
+            gpu = _gpu(p, header)
+            if gpu not in best or ratio > best[gpu][0]:
+                best[gpu] = (ratio, mine, p)
+        return "; ".join(f"{gpu}: {m['tokens_per_s_per_gpu']:,.0f} / {p['tokens_per_s_per_gpu']:,.0f} = **{ratio:.3f}x** "
+                         f"(`{m['name']}` / `{p['name']}`)"
+                         for gpu, (ratio, m, p) in sorted(best.items(), key=lambda kv: kv[0] != "H200")) or "not measured"
+    return cell
+
+
+def _launcher_over_bare(runs: Rows, header: str) -> str:
+    """launcher_X / bare_X, each pair of scripts/bench.py's gpt_pair group (interleaved in one call)."""
+    ok = {r["name"]: r for r in _ok(runs)}
+    pairs = [(name, ok[name]["tokens_per_s_per_gpu"] / ok["bare_" + name[len("launcher_"):]]["tokens_per_s_per_gpu"])
+             for name in sorted(ok) if name.startswith("launcher_") and "before" not in name
+             and "bare_" + name[len("launcher_"):] in ok]
+    return ", ".join(f"**{ratio:.3f}x** (`{name}`, {_gpu(ok[name], header)})" for name, ratio in pairs) or "not measured"
+
+
+GPT14 = dict(preset="1.4b", seq=2048, precision="bf16")
+# (workload, now: the issue's figure on one H200, after: a function of the rows and the page's GPU, goal)
+GOALS_27: List[Tuple[str, str, Callable[[Rows, str], str], str]] = [
+    ("`+recipe=fsdp_bf16` / `hsdp_bf16` / `hfsdp_bf16` as shipped, one GPU",
+     "117-147k tokens/s, 10-13 % MFU (gpt 125M, mbs 4, eager)", _recipes(("fsdp_bf16", "hsdp_bf16", "hfsdp_bf16")),
+     "goal 1: >= 35 % MFU"),
+    ("`+recipe=hfsdp_fp8` as shipped, one GPU", "68.7k tokens/s, 84 % MFU (bf16 peak)", _recipes(("hfsdp_fp8",)),
+     "goal 1: >= 35 % MFU"),
+    ("gpt 1.4b bf16, seq 2048, mbs 4, eager: ours / torchtitan eager, same call", "42,553 / 44,217 = 0.96x",
+     _vs_peer(compiled=False), "goal 2: >= 1.05x"),
+    ("the same compiled: ours / torchtitan `--compile.enable`", "53,686 / 48,037 = 1.118x", _vs_peer(compiled=True),
+     "goal 2: >= 1.2x"),
+    ("gpt 1.4b bf16, seq 2048, one GPU, best MFU", "55,784, 50.8 % MFU (mbs 8, compile + fused loss)",
+     lambda runs, header: _best_on_each_gpu(_one_gpu(runs, model="gpt", **GPT14), header, "mfu"),
+     "goal 3: >= 60 % MFU"),
+    ("te_gpt 1.4b bf16, seq 2048, one GPU, best MFU", "61,570, 56.0 % MFU (mbs 8, fused loss, FusedAdam, grad_accum 4)",
+     lambda runs, header: _best_on_each_gpu(_one_gpu(runs, model="te_gpt", **GPT14), header, "mfu"),
+     "goal 3: >= 65 % MFU"),
+    ("te_gpt 8b's layer x 8, FP8, seq 8192, 65k tokens a step, one GPU", "54,204 (ref 48,325)",
+     lambda runs, header: _best_on_each_gpu([r for r in _one_gpu(runs, model="te_gpt", preset="8b", n_layers=8, seq=8192)
+                                             if r.get("mbs", 1) * r.get("ga", 1) == 8], header, "tokens_per_s_per_gpu"),
+     "goal 4: >= 62,000 tokens/s"),
+    ("launcher / bare loop (`scripts/bare_loop.py`), gpt 1.4b eager, interleaved", "", _launcher_over_bare,
+     "goal 5: >= 0.99x"),
+]
+
+
+def goal_table_27(runs: Rows, header: str = "") -> List[str]:
+    lines = ["## Issue 27: now and after", "",
+             "\"now\": the figure when the issue was filed (one H200, `mfsdp-train`); \"after\": the best row of this "
+             "page for the same workload on each kind of GPU it ran on (tokens/s/GPU, MFU against the bf16 peak). "
+             "Goal 6 (MFU at the GEMMs' precision as well) is in every FP8 run's log line.", "",
+             "| workload | now | after | goal |", "|---|---|---|---|"]
+    lines += [f"| {workload} | {now} | {after(runs, header)} | {goal} |" for workload, now, after, goal in GOALS_27]
+    return lines
+
+
+def report_lines(runs: Rows, header: str = "") -> List[str]:
+    """Everything results.md shows under the run table; `header` is the page's GPU (rows without
+    their own device ran on it)."""
     notes = (peer_notes(runs) + small_notes(runs)
              + change_notes(runs, "te8bl8", "te_gpt 8b's layer x 8, FP8 delayed, seq 8192, grad_accum 8, one GPU")
              + change_notes(runs, "te8b_opt", "te_gpt 8b FP8 delayed, seq 8192, grad_accum 8, 2 GPUs"))
-    return [*notes, "", *goal_table(runs)] if notes else ["", *goal_table(runs)]
+    return [*notes, "", *goal_table(runs), "", *goal_table_27(runs, header)]
 

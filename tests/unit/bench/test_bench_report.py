@@ -1,4 +1,4 @@
-"""scripts/bench_report.py: issue 16's now/after table picks the right rows; bench/matrix.yaml is well formed."""
+"""scripts/bench_report.py: issues 16 and 27's now/after tables pick the right rows; bench/matrix.yaml is well formed."""
 
 from __future__ import annotations
 
@@ -100,3 +100,39 @@ def test_recipe_entries_say_what_their_recipe_holds():
         held = (cfg.model.name, cfg.model.preset, cfg.train.seq_len, cfg.train.micro_batch_size, precision)
         assert held == (e["model"], e["preset"], e["seq"], e["mbs"], e["precision"]), e["name"]
         assert cfg.train.steps == e["steps"] and cfg.checkpoint.save_final is False, e["name"]
+
+
+def test_issue27_after_is_the_best_row_on_each_kind_of_gpu():
+    """Issue 27's table: per workload, the best comparable one-GPU row on each GPU kind (a row without
+    a device ran on the page's), never a profiled, failed, 2-GPU or overridden-recipe row; the peers'
+    ratio only from one call; launcher_X over bare_X."""
+    gpt = dict(model="gpt", preset="1.4b", seq=2048, precision="bf16", world=1)
+    h100 = dict(device="1x NVIDIA H100 80GB HBM3")
+    peer = dict(group="peers", preset="1.4b", seq=2048, mbs=4, world=1, precision="bf16", **h100)
+    at = lambda minute: f"2026-12-06T11:{minute:02d}:00"  # noqa: E731
+    runs = {r["name"]: r for r in [
+        _row("gpt_h200", 11000, **gpt),
+        _row("gpt_h100", 12000, **gpt, **h100),
+        _row("gpt_h100_slower", 11500, **gpt, **h100),
+        _row("gpt_prof", 19000, extra=["train.profile={start: 6, steps: 1}"], **gpt, **h100),
+        _row("gpt_2gpu", 19000, **dict(gpt, world=2)),
+        _row("gpt_failed", 19000, **dict(gpt, ok=False)),
+        _row("recipe_fsdp_bf16", 9000, recipe="fsdp_bf16", **gpt),
+        _row("recipe_fsdp_bf16_tuned", 10500, recipe="fsdp_bf16", extra=["train.micro_batch_size=8"], **gpt),
+        _row("te8b_ga8", 54000, model="te_gpt", preset="8b", n_layers=8, seq=8192, mbs=1, ga=8, world=1, **h100),
+        _row("te8b_ga1", 60000, model="te_gpt", preset="8b", n_layers=8, seq=8192, mbs=1, world=1, **h100),
+        _row("tt", 40000, kind="peer", engine="torchtitan", measured_at=at(20), **peer),
+        _row("ours", 46000, measured_at=at(21), **peer),
+        _row("ours_other_call", 60000, measured_at=at(50), **peer),
+        _row("launcher_x_pair1", 9900, **gpt), _row("bare_x_pair1", 10000, kind="bare", **gpt),
+    ]}
+    table = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[2]
+             for line in bench_report.goal_table_27(runs, "1x NVIDIA H200") if line.startswith("| ")}
+    best = table["gpt 1.4b bf16, seq 2048, one GPU, best MFU"]
+    assert best.startswith("H200: 11,000") and "H100: 12,000" in best and "`gpt_h100`" in best, best
+    assert "`recipe_fsdp_bf16`" in table[next(k for k in table if k.startswith("`+recipe=fsdp_bf16`"))]
+    assert "tuned" not in table[next(k for k in table if k.startswith("`+recipe=fsdp_bf16`"))]
+    assert "`te8b_ga8`" in table["te_gpt 8b's layer x 8, FP8, seq 8192, 65k tokens a step, one GPU"]
+    assert "H100: 46,000 / 40,000 = **1.150x**" in table["gpt 1.4b bf16, seq 2048, mbs 4, eager: ours / torchtitan eager, same call"]
+    assert table["the same compiled: ours / torchtitan `--compile.enable`"] == "not measured"
+    assert table[next(k for k in table if k.startswith("launcher / bare loop"))] == "**0.990x** (`launcher_x_pair1`, H200)"
