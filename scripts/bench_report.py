@@ -194,20 +194,24 @@ def _one_gpu(runs: Rows, **match) -> List[dict]:
             and all(r.get(k) == v for k, v in match.items())]
 
 
+def _h200_first(by_gpu: Dict[str, object]) -> List[str]:
+    return sorted(by_gpu, key=lambda gpu: gpu != "H200")
+
+
 def _best_on_each_gpu(rows: List[dict], header: str, key: str) -> str:
     """The best row per GPU kind, H200 first (the issue's machine)."""
     by_gpu: Dict[str, List[dict]] = {}
     for r in rows:
         by_gpu.setdefault(_gpu(r, header), []).append(r)
-    cells = [f"{gpu}: {_tps(_best(found, key))}" for gpu, found in sorted(by_gpu.items(), key=lambda kv: kv[0] != "H200")]
+    cells = [f"{gpu}: {_tps(_best(by_gpu[gpu], key))}" for gpu in _h200_first(by_gpu)]
     return "; ".join(cells) or "not measured"
 
 
 def _recipes(names: Tuple[str, ...]) -> Callable[[Rows, str], str]:
     """Each recipe as shipped (no override but its length) on one GPU: its best row per GPU kind."""
     def cell(runs: Rows, header: str) -> str:
-        return " / ".join(f"`{n}` {_best_on_each_gpu([r for r in _one_gpu(runs, recipe=n) if not r.get('extra')], header, 'mfu')}"
-                          for n in names)
+        shipped = {n: [r for r in _one_gpu(runs, recipe=n) if not r.get("extra")] for n in names}
+        return " / ".join(f"`{n}` {_best_on_each_gpu(rows, header, 'mfu')}" for n, rows in shipped.items())
     return cell
 
 
@@ -216,25 +220,32 @@ def _vs_peer(compiled: bool) -> Callable[[Rows, str], str]:
     def cell(runs: Rows, header: str) -> str:
         best: Dict[str, Tuple[float, dict, dict]] = {}
         for p, mine in peer_pairs(runs):
-            if mine is None or _compiled(p) != compiled or (p.get("preset"), p.get("world")) != ("1.4b", 1):
+            workload = (p.get("preset"), p.get("seq"), p.get("mbs"), p.get("world"))
+            if mine is None or _compiled(p) != compiled or workload != ("1.4b", 2048, 4, 1):
                 continue
             ratio = mine["tokens_per_s_per_gpu"] / p["tokens_per_s_per_gpu"]
             gpu = _gpu(p, header)
             if gpu not in best or ratio > best[gpu][0]:
                 best[gpu] = (ratio, mine, p)
-        return "; ".join(f"{gpu}: {m['tokens_per_s_per_gpu']:,.0f} / {p['tokens_per_s_per_gpu']:,.0f} = **{ratio:.3f}x** "
-                         f"(`{m['name']}` / `{p['name']}`)"
-                         for gpu, (ratio, m, p) in sorted(best.items(), key=lambda kv: kv[0] != "H200")) or "not measured"
+        cells = []
+        for gpu in _h200_first(best):
+            ratio, m, p = best[gpu]
+            cells.append(f"{gpu}: {m['tokens_per_s_per_gpu']:,.0f} / {p['tokens_per_s_per_gpu']:,.0f} = "
+                         f"**{ratio:.3f}x** (`{m['name']}` / `{p['name']}`)")
+        return "; ".join(cells) or "not measured"
     return cell
 
 
 def _launcher_over_bare(runs: Rows, header: str) -> str:
     """launcher_X / bare_X, each pair of scripts/bench.py's gpt_pair group (interleaved in one call)."""
     ok = {r["name"]: r for r in _ok(runs)}
-    pairs = [(name, ok[name]["tokens_per_s_per_gpu"] / ok["bare_" + name[len("launcher_"):]]["tokens_per_s_per_gpu"])
-             for name in sorted(ok) if name.startswith("launcher_") and "before" not in name
-             and "bare_" + name[len("launcher_"):] in ok]
-    return ", ".join(f"**{ratio:.3f}x** (`{name}`, {_gpu(ok[name], header)})" for name, ratio in pairs) or "not measured"
+    cells = []
+    for name in sorted(ok):
+        bare = ok.get("bare_" + name[len("launcher_"):]) if name.startswith("launcher_") else None
+        if bare and "before" not in name:  # (`_before_<change>` rows: the pair before a change landed)
+            ratio = ok[name]["tokens_per_s_per_gpu"] / bare["tokens_per_s_per_gpu"]
+            cells.append(f"**{ratio:.3f}x** (`{name}`, {_gpu(ok[name], header)})")
+    return ", ".join(cells) or "not measured"
 
 
 GPT14 = dict(preset="1.4b", seq=2048, precision="bf16")
@@ -256,8 +267,9 @@ GOALS_27: List[Tuple[str, str, Callable[[Rows, str], str], str]] = [
      lambda runs, header: _best_on_each_gpu(_one_gpu(runs, model="te_gpt", **GPT14), header, "mfu"),
      "goal 3: >= 65 % MFU"),
     ("te_gpt 8b's layer x 8, FP8, seq 8192, 65k tokens a step, one GPU", "54,204 (ref 48,325)",
-     lambda runs, header: _best_on_each_gpu([r for r in _one_gpu(runs, model="te_gpt", preset="8b", n_layers=8, seq=8192)
-                                             if r.get("mbs", 1) * r.get("ga", 1) == 8], header, "tokens_per_s_per_gpu"),
+     lambda runs, header: _best_on_each_gpu([r for r in _one_gpu(runs, model="te_gpt", preset="8b", n_layers=8,
+                                                                  seq=8192) if r.get("mbs", 1) * r.get("ga", 1) == 8],
+                                            header, "tokens_per_s_per_gpu"),
      "goal 4: >= 62,000 tokens/s"),
     ("launcher / bare loop (`scripts/bare_loop.py`), gpt 1.4b eager, interleaved", "", _launcher_over_bare,
      "goal 5: >= 0.99x"),
@@ -266,8 +278,9 @@ GOALS_27: List[Tuple[str, str, Callable[[Rows, str], str], str]] = [
 
 def goal_table_27(runs: Rows, header: str = "") -> List[str]:
     lines = ["## Issue 27: now and after", "",
-             "\"now\": the figure when the issue was filed (one H200, `mfsdp-train`); \"after\": the best row of this "
-             "page for the same workload on each kind of GPU it ran on (tokens/s/GPU, MFU against the bf16 peak). "
+             "\"now\": the figure when the issue was filed (one H200, `mfsdp-train`); \"after\": the best row of "
+             "this page for the same workload on each kind of GPU it ran on (tokens/s/GPU, MFU against the bf16 "
+             "peak). "
              "Goal 6 (MFU at the GEMMs' precision as well) is in every FP8 run's log line.", "",
              "| workload | now | after | goal |", "|---|---|---|---|"]
     lines += [f"| {workload} | {now} | {after(runs, header)} | {goal} |" for workload, now, after, goal in GOALS_27]
