@@ -30,8 +30,7 @@ def _restore_hfsdp_grad_scaling(wrapped) -> None:
     ranks instead of the mean (2.000x torch's norm on dp_outer=2 x dp_shard=1). The main grad
     buffer carries the right factor (1/|dp group|, megatron_fsdp.py:383); copy it over.
     """
-    buffer = getattr(wrapped, "param_and_grad_buffer", None)
-    for group in getattr(buffer, "parameter_groups", None) or []:
+    for group in _parameter_groups(wrapped):
         helper = getattr(group, "hfsdp_helper_gbuf", None)
         main = getattr(group, "main_grad_buffer", None)
         if helper is not None and main is not None and helper.gradient_scaling_factor is None:
@@ -75,8 +74,13 @@ def _skip_unit_grad_scaling(wrapped) -> None:
 def grad_buffers(wrapped):
     """Every gradient buffer that carries a scaling factor: each parameter group's main one and
     its HFSDP helper, where it has one."""
-    buffer = getattr(wrapped, "param_and_grad_buffer", None)
-    for group in getattr(buffer, "parameter_groups", None) or []:
+    for group in _parameter_groups(wrapped):
         for gbuf in (getattr(group, "main_grad_buffer", None), getattr(group, "hfsdp_helper_gbuf", None)):
             if gbuf is not None:
                 yield gbuf
+
+
+def _parameter_groups(wrapped):
+    """Megatron-FSDP's parameter groups, each with its gradient buffers (none before wrapping)."""
+    buffer = getattr(wrapped, "param_and_grad_buffer", None)
+    return getattr(buffer, "parameter_groups", None) or []
